@@ -1,0 +1,115 @@
+"""Run one `Env` episode against a token-in/token-out generate function; return a Sample.
+
+    reset(task) -> messages --chat template--> prompt ids
+    loop:  generate(ids) -> sampled ids (+ log-probs, version)        loss_mask 1
+           step(Action)  -> Result(reward, observation)
+           observation --chat template--> ids appended                 loss_mask 0
+
+Every message, observations included, is rendered by the model's own chat template; the
+sampled ids are appended as they are, never re-tokenised.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from instar.agents.contract import Action, Env, Task
+from instar.agents.tool_parser import parse_hermes
+from instar.sample import Sample
+
+
+class Generated(Protocol):
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    finish_reason: str
+    text: str
+
+
+Generate = Callable[[list[int], dict[str, Any]], Awaitable[Generated]]
+
+
+class EpisodeError(Exception):
+    """The agent failed (raised, or ran out of time); the rollout is dropped and counted."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+async def _agent(coro):
+    """Await the user's code; what it raises costs this rollout only (engine errors do not)."""
+    try:
+        return await coro
+    except Exception as e:
+        raise EpisodeError("agent_error", f"{type(e).__name__}: {e}") from e
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
+def as_messages(x) -> list[dict]:
+    return [{"role": "user", "content": x}] if isinstance(x, str) else list(x)
+
+
+async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
+                   sampling: dict[str, Any], max_turns: int, parse=parse_hermes) -> dict:
+    messages = as_messages(await _agent(env.reset(task)))
+    tokens = tokenizer.encode(render(tokenizer, messages, env.tools, True),
+                              add_special_tokens=False)
+    mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
+    reward, turn_rewards, info, finish = 0.0, [], {}, "max_turns"
+    for turn in range(max_turns):
+        budget = env.max_tokens - len(tokens)
+        if budget <= 0:
+            finish = "max_tokens"
+            break
+        gen = await generate(tokens, {**sampling, "max_tokens": min(sampling["max_tokens"], budget)})
+        n = len(gen.token_ids)
+        tokens += gen.token_ids
+        mask += [True] * n
+        logprobs += gen.logprobs
+        versions += [gen.version] * n
+        result = await _agent(env.step(Action(gen.text, list(gen.token_ids), parse(gen.text))))
+        reward += result.reward
+        turn_rewards.append(result.reward)
+        info.update(result.info)
+        if result.terminated or result.truncated:
+            finish = gen.finish_reason if result.terminated else "truncated"
+            break
+        if gen.finish_reason != "stop" or result.observation is None:
+            finish = gen.finish_reason if gen.finish_reason != "stop" else "no_observation"
+            break
+        # Observation ids: what the template renders after the assistant's end-of-turn token.
+        messages.append({"role": "assistant", "content": gen.text})
+        before = render(tokenizer, messages, env.tools, False)
+        messages += as_messages(result.observation)
+        after = render(tokenizer, messages, env.tools, True)
+        eot = before.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)
+        if not after.startswith(before[:eot]):
+            raise EpisodeError("template", "the chat template re-renders earlier turns")
+        obs = tokenizer.encode(after[eot:], add_special_tokens=False)
+        tokens += obs
+        mask += [False] * len(obs)
+        logprobs += [None] * len(obs)
+        versions += [None] * len(obs)
+    return dict(tokens=tokens, loss_mask=mask, logprobs=logprobs, versions=versions,
+                reward=reward, finish_reason=finish, info={**info, "turn_rewards": turn_rewards})
+
+
+async def run_env_episode(env: Env, task: Task, generate: Generate, tokenizer,
+                          sampling: dict[str, Any], rollout_id: str, group_id: str,
+                          max_turns: int | None = None) -> Sample:
+    """One episode as one Sample; raises EpisodeError if the agent fails or times out.
+
+    Errors of `generate` (the engine) propagate unchanged: they are not the agent's.
+    """
+    try:
+        ep = await asyncio.wait_for(
+            _episode(env, task, generate, tokenizer, sampling, max_turns or env.max_turns),
+            timeout=env.timeout_s)
+    except TimeoutError as e:
+        raise EpisodeError("timeout", f"episode ran over {env.timeout_s}s") from e
+    return Sample(rollout_id=rollout_id, group_id=group_id, segment=0, sampling=sampling, **ep)

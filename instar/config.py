@@ -1,0 +1,182 @@
+"""One typed config for a run. CLI flags are generated from it (tyro); `validate()` is the one
+place that refuses unsafe combinations.
+
+    instar rl --rollout.group-size 8 --train.steps 40
+    instar rl --config recipe.yaml --train.lr 1e-4     # flags override the recipe
+    instar rl --print-config                           # the resolved config as YAML
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face checkpoint folder. Empty: the built-in model chosen by kind/size/seed."""
+    kind: Literal["dense", "moe"] = "dense"
+    """Built-in model family (Qwen3 dense or Qwen3-MoE); used when `path` is empty."""
+    size: Literal["tiny", "small"] = "tiny"
+    """Built-in model size: tiny (<1M params, tests) or small (~25M, benchmarks)."""
+    seed: int = 0
+    """Seed of the built-in model's random initialisation."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype, in the engine and in the trainer."""
+
+
+@dataclass
+class DataConfig:
+    train: str = ""
+    """Training tasks, JSONL with at least `prompt`. Empty: the built-in task's data."""
+    eval: str = ""
+    """Held-out tasks for eval, JSONL. Empty: the built-in task's held-out data."""
+    prompts_per_step: int = 16
+    """Distinct tasks per training step (each is sampled `rollout.group_size` times)."""
+    eval_size: int = 64
+    """Held-out tasks evaluated before and after training (0 turns eval off)."""
+    seed: int = 0
+    """Seed for shuffling the training tasks."""
+
+
+@dataclass
+class AgentConfig:
+    file: str = ""
+    """Python file exposing `AgentRunner` (an Env or ChatAgent). Empty: the built-in task."""
+    config: dict[str, str] = field(default_factory=dict)
+    """Keyword arguments for the agent's constructor (`--agent.config key value ...`)."""
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8
+    """Samples per task; GRPO baselines are computed within the group."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer applies the same one to its log-probs."""
+    max_tokens: int = 24
+    """Most new tokens per model turn."""
+    eval_temperature: float = 1.0
+    """Sampling temperature for eval."""
+    max_model_len: int = 1024
+    """Longest sequence (prompt and all turns) the engine accepts."""
+    kv_cache_gb: int = 1
+    """KV-cache size of a CPU engine, GiB."""
+    threads: int = 2
+    """CPU threads of the engine (on a CPU machine; the loop is synchronous)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 40
+    """RL steps (each: generate, score, one optimizer step, weight sync)."""
+    num_ranks: int = 2
+    """FSDP2 ranks, one Ray actor each."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer runs: cpu (gloo) or cuda (nccl)."""
+    threads_per_rank: int = 1
+    """CPU threads of each rank's torch."""
+    lr: float = 2e-3
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 turns clipping off)."""
+    micro_batch: int = 64
+    """Sequences per forward/backward on each rank."""
+    warmup_sft_steps: int = 150
+    """Supervised steps on the training tasks' labels before RL (0: none). The warmed-up
+    model is cached, keyed by the base model, data and these settings."""
+    warmup_sft_lr: float = 3e-3
+    """Learning rate of the supervised warm-up."""
+    warmup_sft_batch: int = 64
+    """Tasks per supervised warm-up step."""
+
+
+@dataclass
+class AlgoConfig:
+    estimator: Literal["grpo"] = "grpo"
+    """Advantage estimator."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (ratio <= 1 + clip_high)."""
+
+
+@dataclass
+class CheckpointConfig:
+    save_final: bool = True
+    """Export the trained model as a Hugging Face folder `final/` in the run directory."""
+
+
+@dataclass
+class LoggingConfig:
+    root: str = "runs"
+    """Folder that holds run directories."""
+    name: str = ""
+    """Run directory name. Empty: a timestamp."""
+    progress: bool = True
+    """Show a live progress display."""
+
+
+@dataclass
+class Config:
+    """instar rl: train an agent with reinforcement learning."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def batch_size(self) -> int:
+        """Rollouts per step."""
+        return self.data.prompts_per_step * self.rollout.group_size
+
+    def validate(self) -> "Config":
+        """Refuse unsafe or contradictory settings; each message names the flag to change."""
+        r, t = self.rollout, self.train
+        if r.group_size < 2:
+            raise ValueError("--rollout.group-size must be at least 2: GRPO's baseline is the "
+                             "group mean, so a group of one has no learning signal")
+        if r.temperature <= 0 or r.eval_temperature <= 0:
+            raise ValueError("--rollout.temperature and --rollout.eval-temperature must be > 0: "
+                             "greedy decoding has no behaviour log-probs to train with")
+        if r.max_tokens >= r.max_model_len:
+            raise ValueError(f"--rollout.max-tokens ({r.max_tokens}) must be smaller than "
+                             f"--rollout.max-model-len ({r.max_model_len})")
+        if t.num_ranks < 1 or t.micro_batch < 1 or t.steps < 0:
+            raise ValueError("--train.num-ranks and --train.micro-batch must be >= 1, "
+                             "--train.steps >= 0")
+        if self.data.prompts_per_step < 1:
+            raise ValueError("--data.prompts-per-step must be >= 1")
+        if not 0 <= self.algo.clip_low < 1 or self.algo.clip_high < 0:
+            raise ValueError("--algo.clip-low must be in [0, 1) and --algo.clip-high >= 0")
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+
+
+def from_dict(cls, values: dict[str, Any]):
+    """Build a (nested) config dataclass from a dict, refusing unknown keys."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown config keys for {cls.__name__}: {sorted(unknown)}; "
+                         f"known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in values.items():
+        sub = fields[name].type
+        kwargs[name] = from_dict(sub, value) if dataclasses.is_dataclass(sub) else value
+    return cls(**kwargs)
+
+
+def load_yaml(path: str) -> Config:
+    with open(path) as f:
+        return from_dict(Config, yaml.safe_load(f) or {})

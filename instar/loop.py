@@ -1,0 +1,262 @@
+"""The RL loop (synchronous): generate, score, one optimizer step, push weights, repeat.
+
+    instar rl                       # built-in tiny model on the built-in reverse task
+    instar rl --config recipe.yaml  # anything else
+
+         tasks ──> Env episodes ──> engine (vLLM, Ray actor, weights v)
+                        │  Samples: tokens, loss_mask, behaviour log-probs, versions
+                        ▼
+             GRPO advantages (per group of rollouts of one task)
+                        ▼
+        FSDP2 ranks (Ray actors): PPO-clip loss, global token mean, optimizer step
+                        │  full weights -> safetensors file
+                        └──────────────> engine.load_weights(v + 1)
+
+One step:
+  1. take `prompts_per_step` tasks; run `group_size` episodes of each on the engine;
+  2. advantages: reward minus the group mean, over the group's std;
+  3. each rank runs forward/backward on its micro-batches, then one optimizer step;
+  4. the trainer writes its weights, the engine loads them, the version goes up by one.
+"""
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import AutoTokenizer
+
+from instar.agents.contract import Task
+from instar.agents.env_loop import EpisodeError, as_messages, render, run_env_episode
+from instar.agents.loading import load_agent, load_tasks
+from instar.config import Config
+from instar.rollout.engine import Engine
+from instar.sample import Sample, write_jsonl
+from instar.tasks.reverse_data import AGENT_FILE, reverse_data
+from instar.tasks.tiny_model import builtin_model, cache_root
+from instar.train.losses import grpo_advantages
+from instar.train.worker import Sequence, TrainWorker, shard
+
+console = Console()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Rollouts:
+    """Runs episodes of the user's agent on the engine; counts the ones that fail."""
+
+    def __init__(self, agent_cls, agent_config: dict, engine, tokenizer, max_turns=None):
+        self.agent_cls, self.agent_config = agent_cls, agent_config
+        self.engine, self.tokenizer, self.max_turns = engine, tokenizer, max_turns
+        self.failures: dict[str, int] = {}
+
+    async def _one(self, task: Task, sampling: dict, rollout_id: str, group_id: str):
+        generate = lambda ids, s: self.engine.generate.remote(ids, s)  # noqa: E731
+        try:
+            return await run_env_episode(self.agent_cls(**self.agent_config), task, generate,
+                                         self.tokenizer, sampling, rollout_id, group_id,
+                                         self.max_turns)
+        except EpisodeError as e:
+            self.failures[e.reason] = self.failures.get(e.reason, 0) + 1
+            console.log(f"[yellow]rollout {rollout_id} failed: {e}")
+            return None
+
+    def run(self, tasks: list[Task], n: int, sampling: dict, tag: str) -> list[Sample]:
+        async def all_episodes():
+            return await asyncio.gather(*(self._one(t, sampling, f"{tag}-{t.id}-{k}", f"{tag}-{t.id}")
+                                          for t in tasks for k in range(n)))
+        return [s for s in asyncio.run(all_episodes()) if s is not None]
+
+
+class Trainer:
+    """The group of FSDP2 ranks; every call goes to all of them."""
+
+    def __init__(self, cfg: Config, model_path: str):
+        t = cfg.train
+        master = f"127.0.0.1:{free_port()}"
+        actor = ray.remote(num_cpus=0, num_gpus=1 if t.device == "cuda" else 0)(TrainWorker)
+        self.workers = [actor.remote(r, t.num_ranks, master, model_path, device=t.device,
+                                     dtype=cfg.model.dtype, threads=t.threads_per_rank,
+                                     lr=t.lr, weight_decay=t.weight_decay)
+                        for r in range(t.num_ranks)]
+        self.cfg = cfg
+
+    def step(self, seqs: list[Sequence], loss: str, lr: float) -> dict[str, float]:
+        c = self.cfg
+        num_tokens = sum(sum(s.mask) for s in seqs)
+        shards = shard(seqs, len(self.workers), c.train.micro_batch)
+        per_rank = ray.get([w.train_step.remote(part, loss, num_tokens, c.rollout.temperature,
+                                                c.algo.clip_low, c.algo.clip_high, lr,
+                                                c.train.grad_clip)
+                            for w, part in zip(self.workers, shards)])
+        totals = {k: sum(r.get(k, 0.0) for r in per_rank) for k in per_rank[0]}
+        out = {"loss": totals.pop("loss") / len(self.workers), "grad_norm": per_rank[0]["grad_norm"]}
+        totals.pop("grad_norm")
+        out.update({k: v / num_tokens for k, v in totals.items()})  # token means
+        return out
+
+    def save_weights(self, path: str) -> None:
+        ray.get([w.save_weights.remote(path) for w in self.workers])
+
+    def export(self, base: Path, out: Path) -> None:
+        """Write an HF folder: the base model's config and tokenizer with the current weights."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+        for f in base.iterdir():
+            if f.is_file() and f.name != "model.safetensors":
+                shutil.copy(f, tmp / f.name)
+        self.save_weights(str(tmp / "model.safetensors"))
+        os.replace(tmp, out)
+
+    def shutdown(self) -> None:
+        ray.get([w.shutdown.remote() for w in self.workers])
+
+
+def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
+    """Supervised warm-up on the tasks' labels; the result is cached as an HF folder."""
+    t = cfg.train
+    key = hashlib.sha256(json.dumps([str(base), cfg.data.train, len(tasks), tasks[0].id,
+                                     t.warmup_sft_steps, t.warmup_sft_lr, t.warmup_sft_batch,
+                                     t.num_ranks, cfg.model.dtype, cfg.data.seed]).encode())
+    out = cache_root() / "warm" / key.hexdigest()[:16]
+    if (out / "model.safetensors").exists():
+        return out
+    if any(task.label is None for task in tasks):
+        raise ValueError("--train.warmup-sft-steps needs a `label` on every training task; "
+                         "set it to 0 for data without labels")
+    trainer, rng = Trainer(cfg, str(base)), random.Random(cfg.data.seed)
+    with Progress(TextColumn("warm-up (SFT, cached)"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, disable=not cfg.logging.progress) as bar:
+        for _ in bar.track(range(t.warmup_sft_steps)):
+            seqs = []
+            for task in rng.sample(tasks, t.warmup_sft_batch):
+                prompt = tokenizer.encode(render(tokenizer, as_messages(task.prompt), [], True),
+                                          add_special_tokens=False)
+                answer = tokenizer.encode(str(task.label), add_special_tokens=False)
+                answer.append(tokenizer.eos_token_id)
+                seqs.append(Sequence(prompt + answer, [False] * len(prompt) + [True] * len(answer),
+                                     [0.0] * (len(prompt) + len(answer))))
+            trainer.step(seqs, "sft", t.warmup_sft_lr)
+    trainer.export(base, out)
+    trainer.shutdown()
+    return out
+
+
+def to_sequences(samples: list[Sample]) -> list[Sequence]:
+    group_ids = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
+    adv_B = grpo_advantages(torch.tensor([s.reward for s in samples]),
+                            torch.tensor([group_ids[s.group_id] for s in samples]))
+    return [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs], a)
+            for s, a in zip(samples, adv_B.tolist())]
+
+
+def mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def run(cfg: Config) -> dict:
+    cfg.validate()
+    run_dir = Path(cfg.logging.root) / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    builtin_train, builtin_eval = reverse_data() if not cfg.data.train else ("", "")
+    train_tasks = load_tasks(cfg.data.train or builtin_train)
+    eval_tasks = load_tasks(cfg.data.eval or builtin_eval)[:cfg.data.eval_size] \
+        if (cfg.data.eval or builtin_eval) else []
+    agent_cls = load_agent(cfg.agent.file or AGENT_FILE)
+    model_path = Path(cfg.model.path) if cfg.model.path else builtin_model(
+        cfg.model.kind, cfg.model.size, cfg.model.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING"}})
+    console.log(f"run directory {run_dir}; engine and trainer logs: /tmp/ray/session_latest/logs")
+    if cfg.train.warmup_sft_steps:
+        model_path = warmup(cfg, model_path, train_tasks, tokenizer)
+    trainer = Trainer(cfg, str(model_path))
+    r = cfg.rollout
+    engine = ray.remote(num_cpus=0, num_gpus=1 if cfg.train.device == "cuda" else 0)(Engine).remote(
+        str(model_path), dtype=cfg.model.dtype, max_model_len=r.max_model_len,
+        kv_cache_gb=r.kv_cache_gb, threads=r.threads, seed=cfg.data.seed)
+    rollouts = Rollouts(agent_cls, cfg.agent.config, engine, tokenizer)
+    sampling = {"temperature": r.temperature, "max_tokens": r.max_tokens}
+    eval_sampling = {"temperature": r.eval_temperature, "max_tokens": r.max_tokens}
+    weights = Path(tempfile.mkdtemp(prefix="instar-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)) / "policy.safetensors"
+    rng = random.Random(cfg.data.seed)
+    order = list(range(len(train_tasks)))
+    history, metrics_file = [], open(run_dir / "metrics.jsonl", "w")
+
+    def evaluate(tag):
+        samples = rollouts.run(eval_tasks, 1, eval_sampling, tag) if eval_tasks else []
+        return mean(s.reward for s in samples)
+
+    summary = {"eval_reward_before": evaluate("eval-before")}
+    columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=console, disable=not cfg.logging.progress) as bar:
+        task_bar = bar.add_task("", total=cfg.train.steps)
+        for step in range(1, cfg.train.steps + 1):
+            t0 = time.time()
+            if len(order) < cfg.data.prompts_per_step:
+                order = list(range(len(train_tasks)))
+            rng.shuffle(order)
+            batch = [train_tasks[order.pop()] for _ in range(cfg.data.prompts_per_step)]
+            samples = rollouts.run(batch, r.group_size, sampling, f"s{step}")
+            if not samples:
+                raise RuntimeError(f"step {step}: every rollout failed ({rollouts.failures})")
+            t1 = time.time()
+            stats = trainer.step(to_sequences(samples), "pg", cfg.train.lr)
+            t2 = time.time()
+            trainer.save_weights(str(weights))
+            ray.get(engine.load_weights.remote(str(weights), step))
+            t3 = time.time()
+            gen_tokens = sum(s.num_generated for s in samples)
+            m = {"step": step, "rollout/reward": mean(s.reward for s in samples),
+                 "rollout/exact": mean(s.info.get("exact", 0.0) for s in samples),
+                 "rollout/gen_tokens": gen_tokens, "rollout/failed": len(batch) * r.group_size - len(samples),
+                 "train/loss": stats["loss"], "train/grad_norm": stats["grad_norm"],
+                 "train/clip_frac": stats["clip_frac"],
+                 "invariants/abs_logprob_diff": stats["abs_logprob_diff"],
+                 "timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
+                 "perf/gen_tokens_per_s": gen_tokens / (t1 - t0)}
+            history.append(m)
+            metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.flush()
+            if step == 1:
+                write_jsonl(run_dir / "rollouts.jsonl", samples[:r.group_size])
+            bar.update(task_bar, advance=1, description=f"reward {m['rollout/reward']:.3f}  "
+                       f"|Δlogp| {m['invariants/abs_logprob_diff']:.1e}  "
+                       f"gen {m['perf/gen_tokens_per_s']:.0f} tok/s  rollout {t1 - t0:.1f}s "
+                       f"train {t2 - t1:.1f}s sync {t3 - t2:.1f}s")
+    metrics_file.close()
+    summary["eval_reward_after"] = evaluate("eval-after")
+    if history:
+        summary["reward_first_step"] = history[0]["rollout/reward"]
+        summary["reward_last_step"] = history[-1]["rollout/reward"]
+        k = max(1, len(history) // 5)
+        summary["reward_first_steps_mean"] = mean(h["rollout/reward"] for h in history[:k])
+        summary["reward_last_steps_mean"] = mean(h["rollout/reward"] for h in history[-k:])
+    summary["failed_rollouts"] = dict(rollouts.failures)
+    if cfg.checkpoint.save_final:
+        trainer.export(model_path, run_dir / "final")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    ray.get(engine.shutdown.remote())
+    trainer.shutdown()
+    ray.shutdown()
+    shutil.rmtree(weights.parent, ignore_errors=True)
+    return summary

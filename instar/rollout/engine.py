@@ -1,0 +1,63 @@
+"""One vLLM `AsyncLLM` engine in a Ray actor: token-in, token-out generation with log-probs.
+
+Every request is token ids in and token ids out, so the sampled text is never re-tokenised.
+Each result carries the behaviour log-prob of every generated token (after temperature)
+and the weight version that produced it. `load_weights` swaps in the trainer's weights
+without restarting the engine.
+"""
+
+import os
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    finish_reason: str
+    text: str
+
+
+class Engine:
+    """Ray actor (create with `ray.remote(Engine)`); one per engine."""
+
+    def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: float,
+                 threads: int, seed: int):
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            logprobs_mode="processed_logprobs",  # after temperature: what sampled the token
+            worker_extension_cls="instar.rollout.weight_receiver.WeightReceiver",
+            enable_prefix_caching=True)
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.version = 0
+
+    async def generate(self, prompt_ids: list[int], sampling: dict) -> Generation:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(**sampling, logprobs=0)
+        version = self.version
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                           request_id=uuid.uuid4().hex):
+            final = out
+        o = final.outputs[0]
+        logprobs = [step[tok].logprob for tok, step in zip(o.token_ids, o.logprobs)]
+        return Generation(list(o.token_ids), logprobs, version, o.finish_reason, o.text)
+
+    async def load_weights(self, path: str, version: int) -> None:
+        await self.llm.collective_rpc("load_safetensors", args=(path,))
+        await self.llm.reset_prefix_cache()
+        self.version = version
+
+    async def weights_digest(self) -> str:
+        return (await self.llm.collective_rpc("weights_digest"))[0]
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

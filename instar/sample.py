@@ -1,0 +1,99 @@
+"""The token-first sample: everything between rollout and loss is one of these records.
+
+    prompt tokens      generated     observation   generated
+    [p p p p p p p] [g g g g <eos>] [o o o o o] [g g g <eos>]
+    loss_mask  0 ...     1 ... 1        0 ... 0      1 ... 1
+    logprobs   None ...  -0.3 ...       None ...     -1.2 ...
+    versions   None ...  7 ...          None ...     8 ...
+
+`tokens` are exactly the ids the engine produced plus the ids of what came between turns;
+sampled text is never re-tokenised. One JSONL line per sample when dumped.
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One segment of one rollout.
+
+    Example: Sample(rollout_id="r0", group_id="g0", segment=0, tokens=[5, 6, 7],
+    loss_mask=[False, True, True], logprobs=[None, -0.1, -2.3], versions=[None, 0, 0],
+    reward=1.0, finish_reason="stop")
+    """
+
+    rollout_id: str
+    """The episode this segment belongs to; group baselines count a rollout once."""
+    group_id: str
+    """Rollouts of the same prompt share a group id."""
+    segment: int
+    """0 for the first segment of a rollout; a new one starts when history is rewritten."""
+    tokens: list[int]
+    """All token ids of the segment, prompt first. Length T."""
+    loss_mask: list[bool]
+    """Length T; True exactly on tokens the engine generated."""
+    logprobs: list[float | None]
+    """Length T; the engine's behaviour log-prob (nats, after temperature) where
+    `loss_mask` is True, None elsewhere."""
+    versions: list[int | None]
+    """Length T; the weight version that generated each token where `loss_mask` is True,
+    None elsewhere."""
+    reward: float
+    """The rollout's reward (sum of per-turn rewards)."""
+    finish_reason: str
+    """Why the episode ended: stop, length, max_turns, max_tokens, timeout, error."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Sampling settings the tokens were drawn with (temperature, top_p, ...)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Scalars from the agent (`Result.info`) and per-turn rewards."""
+    images: list[Any] | None = None
+    """Images shown to the model, in order, when there are any."""
+    routed_experts: list[list[list[int]]] | None = None
+    """MoE routing per token: [T][layer][top_k] expert ids, when the engine records it."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        n = len(self.tokens)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"sample {self.rollout_id}: {name} has "
+                                 f"{len(getattr(self, name))} entries, tokens has {n}")
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"sample {self.rollout_id}: routed_experts has "
+                             f"{len(self.routed_experts)} entries, tokens has {n}")
+        for i, (m, lp, v) in enumerate(zip(self.loss_mask, self.logprobs, self.versions)):
+            if m and (lp is None or v is None or not lp <= 0.0 or math.isnan(lp)):
+                raise ValueError(f"sample {self.rollout_id}: generated token {i} needs a "
+                                 f"log-prob <= 0 and a version, got {lp!r}, {v!r}")
+            if not m and (lp is not None or v is not None):
+                raise ValueError(f"sample {self.rollout_id}: token {i} is not generated "
+                                 "(loss_mask False) but has a log-prob or version")
+        if not any(self.loss_mask):
+            raise ValueError(f"sample {self.rollout_id}: no generated tokens")
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> "Sample":
+        return cls(**json.loads(line))
+
+
+def write_jsonl(path: str | Path, samples: list[Sample]) -> None:
+    with open(path, "a") as f:
+        f.writelines(s.to_json() + "\n" for s in samples)
+
+
+def read_jsonl(path: str | Path) -> list[Sample]:
+    with open(path) as f:
+        return [Sample.from_json(line) for line in f if line.strip()]
