@@ -69,7 +69,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 40
+    steps: int = 150
     """RL steps (each: generate, score, one optimizer step, weight sync)."""
     num_ranks: int = 2
     """FSDP2 ranks, one Ray actor each."""
@@ -77,7 +77,7 @@ class TrainConfig:
     """Where the trainer runs: cpu (gloo) or cuda (nccl)."""
     threads_per_rank: int = 1
     """CPU threads of each rank's torch."""
-    lr: float = 2e-3
+    lr: float = 1e-3
     """AdamW learning rate (constant)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -85,7 +85,7 @@ class TrainConfig:
     """Clip the global gradient norm to this (0 turns clipping off)."""
     micro_batch: int = 64
     """Sequences per forward/backward on each rank."""
-    warmup_sft_steps: int = 150
+    warmup_sft_steps: int = 60
     """Supervised steps on the training tasks' labels before RL (0: none). The warmed-up
     model is cached, keyed by the base model, data and these settings."""
     warmup_sft_lr: float = 3e-3

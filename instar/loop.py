@@ -44,7 +44,7 @@ from instar.rollout.engine import Engine
 from instar.sample import Sample, write_jsonl
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model, cache_root
-from instar.train.losses import grpo_advantages
+from instar.train.losses import ESTIMATORS
 from instar.train.worker import Sequence, TrainWorker, shard
 
 console = Console()
@@ -109,6 +109,17 @@ class Trainer:
         out.update({k: v / num_tokens for k, v in totals.items()})  # token means
         return out
 
+    def logprobs(self, seqs: list[Sequence]) -> list[list[float]]:
+        """Per-token log-probs of `seqs` (in order) under the trainer's current weights."""
+        world = len(self.workers)
+        shards = shard(seqs, world, self.cfg.train.micro_batch)
+        per_rank = ray.get([w.logprobs.remote(part, self.cfg.rollout.temperature)
+                            for w, part in zip(self.workers, shards)])
+        out = [None] * len(seqs)
+        for r, rank_out in enumerate(per_rank):
+            out[r::world] = rank_out
+        return out
+
     def save_weights(self, path: str) -> None:
         ray.get([w.save_weights.remote(path) for w in self.workers])
 
@@ -156,10 +167,10 @@ def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
     return out
 
 
-def to_sequences(samples: list[Sample]) -> list[Sequence]:
+def to_sequences(samples: list[Sample], estimator: str) -> list[Sequence]:
     group_ids = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
-    adv_B = grpo_advantages(torch.tensor([s.reward for s in samples]),
-                            torch.tensor([group_ids[s.group_id] for s in samples]))
+    adv_B = ESTIMATORS[estimator](torch.tensor([s.reward for s in samples]),
+                                  torch.tensor([group_ids[s.group_id] for s in samples]))
     return [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs], a)
             for s, a in zip(samples, adv_B.tolist())]
 
@@ -220,7 +231,7 @@ def run(cfg: Config) -> dict:
             if not samples:
                 raise RuntimeError(f"step {step}: every rollout failed ({rollouts.failures})")
             t1 = time.time()
-            stats = trainer.step(to_sequences(samples), "pg", cfg.train.lr)
+            stats = trainer.step(to_sequences(samples, cfg.algo.estimator), "pg", cfg.train.lr)
             t2 = time.time()
             trainer.save_weights(str(weights))
             ray.get(engine.load_weights.remote(str(weights), step))

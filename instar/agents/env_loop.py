@@ -61,7 +61,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
                               add_special_tokens=False)
     mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
     reward, turn_rewards, info, finish = 0.0, [], {}, "max_turns"
-    for turn in range(max_turns):
+    for _ in range(max_turns):
         budget = env.max_tokens - len(tokens)
         if budget <= 0:
             finish = "max_tokens"
@@ -87,7 +87,8 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         before = render(tokenizer, messages, env.tools, False)
         messages += as_messages(result.observation)
         after = render(tokenizer, messages, env.tools, True)
-        eot = before.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)
+        eot = before.rindex(tokenizer.eos_token)  # include the end-of-turn token if not sampled
+        eot += len(tokenizer.eos_token) if gen.token_ids[-1:] == [tokenizer.eos_token_id] else 0
         if not after.startswith(before[:eot]):
             raise EpisodeError("template", "the chat template re-renders earlier turns")
         obs = tokenizer.encode(after[eot:], add_special_tokens=False)
@@ -95,6 +96,8 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         mask += [False] * len(obs)
         logprobs += [None] * len(obs)
         versions += [None] * len(obs)
+    if not any(mask):
+        raise EpisodeError("max_tokens", f"the prompt alone exceeds max_tokens={env.max_tokens}")
     return dict(tokens=tokens, loss_mask=mask, logprobs=logprobs, versions=versions,
                 reward=reward, finish_reason=finish, info={**info, "turn_rewards": turn_rewards})
 

@@ -53,3 +53,7 @@ def sft_loss(logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
              num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Negative log-likelihood of the masked tokens, as a global token mean."""
     return -(logprobs_BT * mask_BT).sum() / num_tokens, {}
+
+
+# Advantage estimators by name (--algo.estimator): (rewards_B, group_B) -> adv_B.
+ESTIMATORS = {"grpo": grpo_advantages}

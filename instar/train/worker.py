@@ -109,6 +109,18 @@ class TrainWorker:
         self.opt.zero_grad(set_to_none=True)
         return totals
 
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[list[Sequence]], temperature: float) -> list[list[float]]:
+        """Per-token log-probs of this rank's sequences under the current weights."""
+        self.model.eval()
+        out = []
+        for seqs in micro_batches:
+            ids_BT, _, _, _, attn_BT = self._batch(seqs)
+            logits = self.model(input_ids=ids_BT, attention_mask=attn_BT).logits
+            logprobs_BT = token_logprobs(logits, ids_BT, temperature).cpu()
+            out += [logprobs_BT[i, :len(s.tokens)].tolist() for i, s in enumerate(seqs)]
+        return out
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather the unsharded weights (every rank must call); rank 0 gets them, on CPU."""
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
