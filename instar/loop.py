@@ -36,8 +36,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoTokenizer
 
+from instar.agents.chat import as_messages, prompt_ids
 from instar.agents.contract import Task
-from instar.agents.env_loop import EpisodeError, as_messages, render, run_env_episode
+from instar.agents.env_loop import EpisodeError, run_env_episode
 from instar.agents.loading import load_agent, load_tasks
 from instar.config import Config
 from instar.rollout.engine import Engine
@@ -155,8 +156,7 @@ def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
         for _ in bar.track(range(t.warmup_sft_steps)):
             seqs = []
             for task in rng.sample(tasks, t.warmup_sft_batch):
-                prompt = tokenizer.encode(render(tokenizer, as_messages(task.prompt), [], True),
-                                          add_special_tokens=False)
+                prompt = prompt_ids(tokenizer, as_messages(task.prompt), None)
                 answer = tokenizer.encode(str(task.label), add_special_tokens=False)
                 answer.append(tokenizer.eos_token_id)
                 seqs.append(Sequence(prompt + answer, [False] * len(prompt) + [True] * len(answer),
@@ -217,8 +217,8 @@ def run(cfg: Config) -> dict:
         return mean(s.reward for s in samples)
 
     summary = {"eval_reward_before": evaluate("eval-before")}
-    columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.description}"),
-               TimeElapsedColumn()]
+    columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=16),
+               TimeElapsedColumn(), TextColumn("{task.description}")]
     with Progress(*columns, console=console, disable=not cfg.logging.progress) as bar:
         task_bar = bar.add_task("", total=cfg.train.steps)
         for step in range(1, cfg.train.steps + 1):
@@ -250,10 +250,10 @@ def run(cfg: Config) -> dict:
             metrics_file.flush()
             if step == 1:
                 write_jsonl(run_dir / "rollouts.jsonl", samples[:r.group_size])
-            bar.update(task_bar, advance=1, description=f"reward {m['rollout/reward']:.3f}  "
-                       f"|Δlogp| {m['invariants/abs_logprob_diff']:.1e}  "
-                       f"gen {m['perf/gen_tokens_per_s']:.0f} tok/s  rollout {t1 - t0:.1f}s "
-                       f"train {t2 - t1:.1f}s sync {t3 - t2:.1f}s")
+            bar.update(task_bar, advance=1, description=(
+                f"reward {m['rollout/reward']:.3f} |Δlogp| {m['invariants/abs_logprob_diff']:.0e} "
+                f"{m['perf/gen_tokens_per_s']:.0f} tok/s | rollout {t1 - t0:.1f}s "
+                f"train {t2 - t1:.1f}s sync {t3 - t2:.1f}s"))
     metrics_file.close()
     summary["eval_reward_after"] = evaluate("eval-after")
     if history:

@@ -36,3 +36,64 @@ def engine(ray_session, tiny_model):
         str(tiny_model), dtype="float32", max_model_len=512, kv_cache_gb=1, threads=1, seed=0)
     yield actor
     ray.get(actor.shutdown.remote())
+
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}}}}}
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "What is 2+3?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"type": "function", "function": {"name": "add",
+                                                      "arguments": {"a": 2, "b": 3}}}]},
+    {"role": "tool", "content": "5"},
+    {"role": "assistant", "content": "The answer is 5."},
+]
+
+
+@pytest.fixture(scope="session")
+def tool_model(tiny_model, tmp_path_factory):
+    """The tiny model taught (a few seconds of SFT) to call `add` and then answer, so that
+    real engine generations contain tool calls."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tool_model")
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids, mask = [], []
+    for i, msg in enumerate(TOOL_CONVERSATION):
+        text = tok.apply_chat_template(TOOL_CONVERSATION[:i + 1], tools=[ADD_TOOL], tokenize=False)
+        new = tok.encode(text, add_special_tokens=False)[len(ids):]
+        ids += new
+        # learn the assistant turns: everything after "<|im_start|>assistant\n" up to <|im_end|>
+        head = len(tok.encode("<|im_start|>assistant\n", add_special_tokens=False))
+        mask += [msg["role"] == "assistant" and head <= j < len(new) - 1 for j in range(len(new))]
+    x, m = torch.tensor([ids]), torch.tensor([mask], dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        logp = torch.log_softmax(model(x).logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
+        loss = -(logp * m[:, 1:]).sum() / m.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    for f in tiny_model.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tool_engine(ray_session, tool_model):
+    import ray
+
+    from instar.rollout.engine import Engine
+
+    actor = ray.remote(num_cpus=0)(Engine).remote(
+        str(tool_model), dtype="float32", max_model_len=512, kv_cache_gb=1, threads=1, seed=0)
+    yield actor
+    ray.get(actor.shutdown.remote())

@@ -73,3 +73,19 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
         # leave the shared engine as it was
         ray.get(engine.load_weights.remote(str(tiny_model / "model.safetensors"), 0))
         trainer.shutdown()
+
+
+def test_tiny_moe_model_loads_in_vllm_with_matching_logprobs(ray_session, tokenizer):
+    from instar.rollout.engine import Engine
+    from instar.tasks.tiny_model import builtin_model
+
+    path = builtin_model("moe", "tiny", 0)
+    engine = ray.remote(num_cpus=0)(Engine).remote(
+        str(path), dtype="float32", max_model_len=256, kv_cache_gb=1, threads=1, seed=0)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        for prompt, gen in generate_all(engine, tokenizer):
+            diff = (hf_logprobs(model, prompt, gen, 0.8) - torch.tensor(gen.logprobs)).abs().max()
+            assert diff < 1e-4, diff
+    finally:
+        ray.get(engine.shutdown.remote())

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from instar.agents.chat import as_messages, continuation_ids, prompt_ids
 from instar.agents.contract import Action, Env, Task
 from instar.agents.tool_parser import parse_hermes
 from instar.sample import Sample
@@ -37,7 +38,7 @@ class EpisodeError(Exception):
         self.reason = reason
 
 
-async def _agent(coro):
+async def agent_call(coro):
     """Await the user's code; what it raises costs this rollout only (engine errors do not)."""
     try:
         return await coro
@@ -45,20 +46,10 @@ async def _agent(coro):
         raise EpisodeError("agent_error", f"{type(e).__name__}: {e}") from e
 
 
-def render(tokenizer, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=generation_prompt)
-
-
-def as_messages(x) -> list[dict]:
-    return [{"role": "user", "content": x}] if isinstance(x, str) else list(x)
-
-
 async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
                    sampling: dict[str, Any], max_turns: int, parse=parse_hermes) -> dict:
-    messages = as_messages(await _agent(env.reset(task)))
-    tokens = tokenizer.encode(render(tokenizer, messages, env.tools, True),
-                              add_special_tokens=False)
+    messages = as_messages(await agent_call(env.reset(task)))
+    tokens = prompt_ids(tokenizer, messages, env.tools)
     mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
     reward, turn_rewards, info, finish = 0.0, [], {}, "max_turns"
     for _ in range(max_turns):
@@ -72,7 +63,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         mask += [True] * n
         logprobs += gen.logprobs
         versions += [gen.version] * n
-        result = await _agent(env.step(Action(gen.text, list(gen.token_ids), parse(gen.text))))
+        result = await agent_call(env.step(Action(gen.text, list(gen.token_ids), parse(gen.text))))
         reward += result.reward
         turn_rewards.append(result.reward)
         info.update(result.info)
@@ -82,16 +73,12 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         if gen.finish_reason != "stop" or result.observation is None:
             finish = gen.finish_reason if gen.finish_reason != "stop" else "no_observation"
             break
-        # Observation ids: what the template renders after the assistant's end-of-turn token.
-        messages.append({"role": "assistant", "content": gen.text})
-        before = render(tokenizer, messages, env.tools, False)
-        messages += as_messages(result.observation)
-        after = render(tokenizer, messages, env.tools, True)
-        eot = before.rindex(tokenizer.eos_token)  # include the end-of-turn token if not sampled
-        eot += len(tokenizer.eos_token) if gen.token_ids[-1:] == [tokenizer.eos_token_id] else 0
-        if not after.startswith(before[:eot]):
+        before = messages + [{"role": "assistant", "content": gen.text}]
+        messages = before + as_messages(result.observation)
+        obs = continuation_ids(tokenizer, before, messages, env.tools,
+                               gen.token_ids[-1:] == [tokenizer.eos_token_id])
+        if obs is None:
             raise EpisodeError("template", "the chat template re-renders earlier turns")
-        obs = tokenizer.encode(after[eot:], add_special_tokens=False)
         tokens += obs
         mask += [False] * len(obs)
         logprobs += [None] * len(obs)

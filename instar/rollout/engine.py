@@ -18,6 +18,8 @@ class Generation:
     version: int
     finish_reason: str
     text: str
+    stop: str | None = None
+    """The stop string that ended generation, if one did."""
 
 
 class Engine:
@@ -49,7 +51,8 @@ class Engine:
             final = out
         o = final.outputs[0]
         logprobs = [step[tok].logprob for tok, step in zip(o.token_ids, o.logprobs)]
-        return Generation(list(o.token_ids), logprobs, version, o.finish_reason, o.text)
+        stop = o.stop_reason if isinstance(o.stop_reason, str) else None
+        return Generation(list(o.token_ids), logprobs, version, o.finish_reason, o.text, stop)
 
     async def load_weights(self, path: str, version: int) -> None:
         await self.llm.collective_rpc("load_safetensors", args=(path,))

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 # Bump when the builder's output changes, so cached folders are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_MARKS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -109,12 +109,13 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL + TOOL_MARKS,
+        vocab_size=VOCAB_SIZE - len(TOOL_MARKS), special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL[1:])
+    fast.add_tokens(TOOL_MARKS)  # single tokens, but not special: they stay in decoded text
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

@@ -1,0 +1,32 @@
+"""Run one ChatAgent episode through the gateway; its captured segments become Samples."""
+
+import asyncio
+
+from instar.agents.contract import ChatAgent, ChatContext, Task
+from instar.agents.env_loop import EpisodeError, agent_call
+from instar.gateway.server import Gateway
+from instar.sample import Sample
+
+
+async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, rollout_id: str,
+                           group_id: str, timeout_s: float) -> list[Sample]:
+    sid = gateway.open_session(rollout_id, group_id, agent.max_turns, agent.max_tokens)
+    openai_url, anthropic_url = gateway.urls(sid)
+    ctx = ChatContext(task=task, openai_base_url=openai_url, anthropic_base_url=anthropic_url,
+                      api_key=gateway.api_key, model=gateway.model, sampling=dict(gateway.sampling))
+    try:
+        result = await asyncio.wait_for(agent_call(agent.run(ctx)), timeout_s)
+        reward, info = result.reward, result.info
+    except TimeoutError as e:
+        raise EpisodeError("timeout", f"episode ran over {timeout_s}s") from e
+    except EpisodeError:
+        session = gateway.sessions.get(sid)
+        if session is None or session.truncated is None:
+            raise
+        reward, info = 0.0, {}  # the agent stopped at a limit the gateway enforced
+    finally:
+        session = gateway.close_session(sid)
+    samples = session.samples(reward, info)
+    if not samples:
+        raise EpisodeError("no_generation", "the agent returned without calling the model")
+    return samples

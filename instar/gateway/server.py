@@ -1,0 +1,164 @@
+"""The loopback gateway: OpenAI and Anthropic endpoints in front of the engine.
+
+    agent (stock SDK) ──HTTP 127.0.0.1──> /s/<session>/v1/chat/completions   (OpenAI)
+                                          /s/<session>/v1/messages           (Anthropic)
+                                                 │ wire.parse -> chat messages
+                                                 ▼
+                                 Session.plan: extend the recorded tokens or start a segment
+                                                 ▼
+                                 engine generate(token ids) -> ids, log-probs, version
+                                                 ▼
+                                 Session.record; wire.response / wire.stream
+
+Bound to 127.0.0.1, a random API key per run (checked on every request), one unguessable
+session id per episode. Bad input is answered in the wire's own error shape (4xx) and
+leaves the session's recorded tokens unchanged.
+"""
+
+import asyncio
+import json
+import secrets
+import socket
+import threading
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from instar.gateway.session import Session
+from instar.gateway.wire import AnthropicWire, OpenAIWire, WireError, bad_request, make_reply
+
+
+class Gateway:
+    """Runs the HTTP server in a background thread; sessions are opened and closed by the
+    rollout code in the caller's thread."""
+
+    def __init__(self, generate, tokenizer, *, model: str, max_model_len: int,
+                 sampling: dict[str, Any]):
+        self.generate, self.tokenizer = generate, tokenizer
+        self.model, self.max_model_len, self.sampling = model, max_model_len, sampling
+        self.api_key = "sk-instar-" + secrets.token_urlsafe(24)
+        self.sessions: dict[str, Session] = {}
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.app = FastAPI(title="instar gateway")
+        self.app.post("/s/{sid}/v1/chat/completions")(self._route(OpenAIWire))
+        self.app.post("/s/{sid}/v1/messages")(self._route(AnthropicWire))
+        self.app.exception_handler(StarletteHTTPException)(self._http_error)
+        self.server: uvicorn.Server | None = None
+
+    @staticmethod
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        wire = AnthropicWire if request.url.path.endswith("/messages") else OpenAIWire
+        e = WireError(exc.status_code, "not_found_error" if exc.status_code == 404
+                      else "invalid_request_error", str(exc.detail))
+        return JSONResponse(wire.error(e), status_code=exc.status_code)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> "Gateway":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the gateway failed to start")
+            threading.Event().wait(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout=10)
+
+    def open_session(self, rollout_id: str, group_id: str, max_turns: int,
+                     max_tokens: int) -> str:
+        sid = secrets.token_urlsafe(16)
+        self.sessions[sid] = Session(self.tokenizer, rollout_id, group_id, self.sampling,
+                                     max_turns, max_tokens)
+        return sid
+
+    def close_session(self, sid: str) -> Session:
+        self.locks.pop(sid, None)
+        return self.sessions.pop(sid)
+
+    def urls(self, sid: str) -> tuple[str, str]:
+        """(OpenAI base URL ending in /v1, Anthropic base URL)."""
+        return f"{self.base}/s/{sid}/v1", f"{self.base}/s/{sid}"
+
+    # -- requests ------------------------------------------------------------------------
+    def _route(self, wire):
+        async def handle(sid: str, request: Request):
+            try:
+                return await self._handle(wire, sid, request)
+            except WireError as e:
+                return JSONResponse(wire.error(e), status_code=e.status)
+        handle.__name__ = f"{wire.name}_endpoint"
+        return handle
+
+    def _check_key(self, request: Request) -> None:
+        auth = request.headers.get("authorization", "")
+        given = request.headers.get("x-api-key") or auth.removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), self.api_key.encode()):
+            raise WireError(401, "authentication_error", "invalid API key", "invalid_api_key")
+
+    def _check_sampling(self, req) -> None:
+        """A request may not sample differently from what the trainer will assume."""
+        run = {"temperature": self.sampling["temperature"], "top_p": 1.0, "top_k": 0.0}
+        for name, value in req.sampling.items():
+            if name == "top_k" and value == -1:
+                continue
+            if value != run[name]:
+                raise bad_request(
+                    f"{name}={value} differs from the run's {name}={run[name]}: instar trains "
+                    f"with one sampling setting per run; leave {name} unset or change the "
+                    f"run's --rollout.{name.replace('_', '-')}", "unsupported_value")
+
+    async def _handle(self, wire, sid: str, request: Request):
+        self._check_key(request)
+        session = self.sessions.get(sid)
+        if session is None:
+            raise WireError(404, "not_found_error", "unknown session", "session_not_found")
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"malformed JSON body: {e}") from e
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        req = wire.parse(body)
+        self._check_sampling(req)
+        async with self.locks.setdefault(sid, asyncio.Lock()):
+            try:
+                turn = session.plan(req.messages, req.tools)
+            except Exception as e:  # the template could not render these messages
+                raise bad_request(f"cannot render these messages: {e}") from e
+            if session.is_retry(turn):
+                reply = session.last_reply
+            else:
+                if limit := session.over_limit(turn):
+                    session.truncated = limit
+                    raise bad_request(f"this episode reached its {limit} limit", "episode_limit")
+                room = min(self.max_model_len, session.max_tokens) - len(turn.prompt_ids)
+                if room < 1:
+                    raise bad_request(
+                        f"the context ({len(turn.prompt_ids)} tokens) leaves no room to generate "
+                        f"within the model's {self.max_model_len} tokens",
+                        "context_length_exceeded")
+                max_tokens = min(req.max_tokens or self.sampling["max_tokens"], room)
+                params = {"temperature": self.sampling["temperature"], "max_tokens": max_tokens,
+                          **({"stop": req.stop} if req.stop else {})}
+                try:
+                    gen = await self.generate(turn.prompt_ids, params)
+                except Exception as e:
+                    raise WireError(503, "api_error", f"the engine failed: {e}") from e
+                reply = make_reply(gen, req.parse_tools, len(turn.prompt_ids))
+                session.record(turn, req.messages, req.tools, gen, reply.message, reply)
+        if req.stream:
+            return StreamingResponse(wire.stream(reply, self.model, req.include_usage),
+                                     media_type="text/event-stream")
+        return JSONResponse(wire.response(reply, self.model))

@@ -1,0 +1,116 @@
+"""Token-exact capture of one ChatAgent episode (one gateway session).
+
+    request 1: [sys, user]                 -> render all            -> prompt ids   (mask 0)
+                                              engine                -> sampled ids  (mask 1)
+    request 2: [sys, user, asst, tool]     extends what we recorded -> only [tool] is
+                                              rendered and appended after the sampled ids
+    request 3: [sys, summary, user]        rewrites history         -> seal segment 0,
+                                              segment 1 starts from a full render
+
+A retried identical request is answered from the previous reply and not recorded twice.
+Nothing is recorded until a request is accepted, so a refused request changes nothing.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from instar.agents.chat import Message, canonical, continuation_ids, prompt_ids
+from instar.sample import Sample
+
+
+@dataclass
+class Segment:
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    sealed_because: str = ""
+
+    def extend(self, ids: list[int], logprobs: list[float] | None = None,
+               version: int | None = None) -> None:
+        generated = logprobs is not None
+        self.tokens += ids
+        self.loss_mask += [generated] * len(ids)
+        self.logprobs += logprobs if generated else [None] * len(ids)
+        self.versions += [version if generated else None] * len(ids)
+
+
+@dataclass
+class Turn:
+    """What an accepted request asks the engine for."""
+
+    prompt_ids: list[int]
+    new_segment: str | None
+    """Why a new segment starts here (None: the current one is extended)."""
+    key: str
+
+
+class Session:
+    """State of one episode; the gateway calls `plan`, then `record` after generating."""
+
+    def __init__(self, tokenizer, rollout_id: str, group_id: str, sampling: dict[str, Any],
+                 max_turns: int, max_tokens: int):
+        self.tokenizer, self.rollout_id, self.group_id = tokenizer, rollout_id, group_id
+        self.sampling, self.max_turns, self.max_tokens = sampling, max_turns, max_tokens
+        self.truncated: str | None = None
+        """The limit (max_turns or max_tokens) that refused a request, if one did."""
+        self.segments: list[Segment] = []
+        self.history: list[Message] = []  # canonical messages up to the last reply
+        self.tools: list[dict] | None = None
+        self.last_key, self.last_reply = "", None
+        self.ended_with_eos, self.finish_reason, self.turns = True, "stop", 0
+
+    def plan(self, messages: list[Message], tools: list[dict] | None) -> Turn:
+        msgs = [canonical(m) for m in messages]
+        key = json.dumps([msgs, tools], sort_keys=True)
+        if not self.segments:
+            return Turn(prompt_ids(self.tokenizer, msgs, tools), "start", key)
+        reason = None
+        if tools != self.tools:
+            reason = "tools_changed"
+        elif msgs[:len(self.history)] != self.history:
+            reason = "history_rewritten"
+        if reason is None:
+            ids = continuation_ids(self.tokenizer, self.history, msgs, tools, self.ended_with_eos)
+            if ids is not None:
+                return Turn(self.segments[-1].tokens + ids, None, key)
+            reason = "template_rewrites_history"
+        return Turn(prompt_ids(self.tokenizer, msgs, tools), reason, key)
+
+    def over_limit(self, turn: Turn) -> str | None:
+        """Which per-episode limit a new turn would break, if any (it is then refused)."""
+        if self.turns >= self.max_turns:
+            return "max_turns"
+        if len(turn.prompt_ids) >= self.max_tokens:
+            return "max_tokens"
+        return None
+
+    def is_retry(self, turn: Turn) -> bool:
+        return self.last_reply is not None and turn.key == self.last_key
+
+    def record(self, turn: Turn, messages: list[Message], tools: list[dict] | None, gen,
+               reply: Message, response: Any) -> None:
+        """Commit an answered turn: its new context ids, then the sampled ids."""
+        if turn.new_segment is not None:
+            if self.segments:
+                self.segments[-1].sealed_because = turn.new_segment
+            self.segments.append(Segment())
+        seg = self.segments[-1]
+        seg.extend(turn.prompt_ids[len(seg.tokens):])
+        seg.extend(list(gen.token_ids), list(gen.logprobs), gen.version)
+        self.history = [canonical(m) for m in messages] + [canonical(reply)]
+        self.tools = tools
+        self.ended_with_eos = gen.token_ids[-1:] == [self.tokenizer.eos_token_id]
+        self.finish_reason, self.turns = gen.finish_reason, self.turns + 1
+        self.last_key, self.last_reply = turn.key, response
+
+    def samples(self, reward: float, info: dict[str, Any]) -> list[Sample]:
+        """One Sample per segment; all share the episode's reward and rollout id."""
+        finish = self.truncated or self.finish_reason
+        return [Sample(rollout_id=self.rollout_id, group_id=self.group_id, segment=i,
+                       tokens=s.tokens, loss_mask=s.loss_mask, logprobs=s.logprobs,
+                       versions=s.versions, reward=reward, finish_reason=finish,
+                       sampling=self.sampling,
+                       info={**info, "turns": self.turns, "sealed_because": s.sealed_because})
+                for i, s in enumerate(self.segments) if any(s.loss_mask)]

@@ -1,0 +1,271 @@
+"""The two wires the gateway speaks: OpenAI chat completions and Anthropic messages.
+
+Each wire turns a request body into chat messages + tools + options (`parse`), a generation
+into the wire's response (`response`) or event stream (`stream`), and a refusal into the
+wire's own error shape (`error`). Chat messages are the Hugging Face / OpenAI form that the
+chat template renders.
+"""
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from instar.agents.tool_parser import parse_hermes
+
+_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+class WireError(Exception):
+    def __init__(self, status: int, kind: str, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.message, self.code = status, kind, message, code
+
+
+def bad_request(message: str, code: str | None = None) -> WireError:
+    return WireError(400, "invalid_request_error", message, code)
+
+
+@dataclass
+class Request:
+    messages: list[dict]
+    tools: list[dict] | None
+    max_tokens: int | None
+    stream: bool = False
+    stop: list[str] = field(default_factory=list)
+    sampling: dict[str, float] = field(default_factory=dict)
+    """Sampling values the request sets explicitly (temperature, top_p, top_k)."""
+    parse_tools: bool = True
+    include_usage: bool = False
+
+
+@dataclass
+class Reply:
+    """A generation split into the assistant's text and its tool calls."""
+
+    text: str
+    calls: list[dict]
+    finish: str
+    """stop | length | tool_calls"""
+    stop: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def message(self) -> dict:
+        msg = {"role": "assistant", "content": self.text}
+        if self.calls:
+            msg["tool_calls"] = [{"name": c["name"], "arguments": c["arguments"]}
+                                 for c in self.calls]
+        return msg
+
+
+def make_reply(gen, parse_tools: bool, prompt_tokens: int) -> Reply:
+    calls = parse_hermes(gen.text) if parse_tools else []
+    text = _CALL_BLOCK.sub("", gen.text).strip() if calls else gen.text
+    calls = [{**c, "id": f"call_{uuid.uuid4().hex[:24]}"} for c in calls]
+    finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
+    return Reply(text, calls, finish, gen.stop, prompt_tokens, len(gen.token_ids))
+
+
+def _number(body: dict, name: str, lo: float, hi: float) -> dict:
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, int | float) or isinstance(value, bool) or not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be a number in [{lo}, {hi}], got {value!r}")
+    return {name: float(value)}
+
+
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise bad_request("'stop' must be a string or a list of strings")
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIWire:
+    name = "openai"
+
+    @staticmethod
+    def parse(body: dict) -> Request:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or \
+                not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise bad_request("'messages' must be a non-empty list of messages with a 'role'")
+        if body.get("n", 1) != 1:
+            raise bad_request("only n=1 is supported")
+        choice = body.get("tool_choice", "auto")
+        if choice not in ("auto", "none", None):
+            raise bad_request(f"tool_choice {choice!r} is not supported; use 'auto' or 'none'")
+        tools = body.get("tools") or None
+        if tools is not None and not all(isinstance(t, dict) and "function" in t for t in tools):
+            raise bad_request("'tools' must be a list of {'type': 'function', 'function': ...}")
+        msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"]}
+                for m in messages]
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise bad_request("'max_tokens' must be a positive integer")
+        return Request(msgs, tools, max_tokens, bool(body.get("stream")), _stop_list(body.get("stop")),
+                       {**_number(body, "temperature", 0, 2), **_number(body, "top_p", 0, 1)},
+                       parse_tools=choice != "none",
+                       include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+
+    @staticmethod
+    def _calls(reply: Reply) -> list[dict]:
+        return [{"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                for c in reply.calls]
+
+    @staticmethod
+    def _usage(reply: Reply) -> dict:
+        return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+                "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+
+    @classmethod
+    def response(cls, reply: Reply, model: str) -> dict:
+        message = {"role": "assistant", "content": reply.text or None}
+        if reply.calls:
+            message["tool_calls"] = cls._calls(reply)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": reply.finish,
+                             "logprobs": None}],
+                "usage": cls._usage(reply)}
+
+    @classmethod
+    def stream(cls, reply: Reply, model: str, include_usage: bool):
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": model}
+        chunk = lambda delta, finish=None: {**head, "choices": [  # noqa: E731
+            {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        yield sse(chunk({"role": "assistant", "content": ""}))
+        if reply.text:
+            yield sse(chunk({"content": reply.text}))
+        for i, call in enumerate(cls._calls(reply)):
+            yield sse(chunk({"tool_calls": [{"index": i, **call}]}))
+        yield sse(chunk({}, reply.finish))
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": cls._usage(reply)})
+        yield sse("[DONE]")
+
+    @staticmethod
+    def error(e: WireError) -> dict:
+        return {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}}
+
+
+class AnthropicWire:
+    name = "anthropic"
+    KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "request_too_large", 503: "overloaded_error"}
+
+    @staticmethod
+    def _text(content) -> str:
+        if isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise bad_request("message content must be a string or a list of blocks")
+        parts = []
+        for block in content:
+            if not isinstance(block, dict) or block.get("type") != "text":
+                raise bad_request(f"unsupported content block here: {block!r:.80}")
+            parts.append(block.get("text", ""))
+        return "".join(parts)
+
+    @classmethod
+    def parse(cls, body: dict) -> Request:
+        messages, max_tokens = body.get("messages"), body.get("max_tokens")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("messages: field required (a non-empty list)")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise bad_request("max_tokens: field required (a positive integer)")
+        choice = (body.get("tool_choice") or {"type": "auto"}).get("type")
+        if choice not in ("auto", "none"):
+            raise bad_request(f"tool_choice type {choice!r} is not supported; use 'auto' or 'none'")
+        out = [{"role": "system", "content": cls._text(body["system"])}] if body.get("system") else []
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+                raise bad_request("each message needs role 'user' or 'assistant'")
+            blocks = m["content"] if isinstance(m.get("content"), list) else \
+                [{"type": "text", "text": cls._text(m.get("content"))}]
+            text, calls = [], []
+            for b in blocks:
+                kind = b.get("type") if isinstance(b, dict) else None
+                if kind == "text":
+                    text.append(b.get("text", ""))
+                elif kind == "tool_use" and m["role"] == "assistant":
+                    calls.append({"name": b.get("name"), "arguments": b.get("input") or {}})
+                elif kind == "tool_result" and m["role"] == "user":
+                    out.append({"role": "tool", "content": cls._text(b.get("content") or "")})
+                else:
+                    raise bad_request(f"unsupported content block {kind!r} in a {m['role']} message")
+            if m["role"] == "assistant":
+                out.append({"role": "assistant", "content": "".join(text),
+                            **({"tool_calls": calls} if calls else {})})
+            elif text:
+                out.append({"role": "user", "content": "".join(text)})
+        tools = [{"type": "function", "function": {"name": t.get("name"),
+                                                   "description": t.get("description", ""),
+                                                   "parameters": t.get("input_schema", {})}}
+                 for t in body.get("tools") or []] or None
+        return Request(out, tools, max_tokens, bool(body.get("stream")),
+                       _stop_list(body.get("stop_sequences")),
+                       {**_number(body, "temperature", 0, 1), **_number(body, "top_p", 0, 1),
+                        **_number(body, "top_k", 0, 1e9)},
+                       parse_tools=choice != "none")
+
+    @staticmethod
+    def _blocks(reply: Reply) -> list[dict]:
+        blocks = [{"type": "text", "text": reply.text}] if reply.text else []
+        return blocks + [{"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["name"],
+                          "input": c["arguments"]} for c in reply.calls]
+
+    @staticmethod
+    def _stop_reason(reply: Reply) -> str:
+        return {"tool_calls": "tool_use", "length": "max_tokens"}.get(
+            reply.finish, "stop_sequence" if reply.stop else "end_turn")
+
+    @classmethod
+    def response(cls, reply: Reply, model: str) -> dict:
+        return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                "model": model, "content": cls._blocks(reply),
+                "stop_reason": cls._stop_reason(reply), "stop_sequence": reply.stop,
+                "usage": {"input_tokens": reply.prompt_tokens,
+                          "output_tokens": reply.completion_tokens}}
+
+    @classmethod
+    def stream(cls, reply: Reply, model: str, include_usage: bool):
+        msg = cls.response(reply, model)
+        yield sse({"type": "message_start", "message": {
+            **msg, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {**msg["usage"], "output_tokens": 0}}}, "message_start")
+        for i, block in enumerate(msg["content"]):
+            if block["type"] == "text":
+                start, delta = {**block, "text": ""}, {"type": "text_delta", "text": block["text"]}
+            else:
+                start = {**block, "input": {}}
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield sse({"type": "content_block_start", "index": i, "content_block": start},
+                      "content_block_start")
+            yield sse({"type": "content_block_delta", "index": i, "delta": delta},
+                      "content_block_delta")
+            yield sse({"type": "content_block_stop", "index": i}, "content_block_stop")
+        yield sse({"type": "message_delta", "delta": {"stop_reason": msg["stop_reason"],
+                                                      "stop_sequence": msg["stop_sequence"]},
+                   "usage": {"output_tokens": reply.completion_tokens}}, "message_delta")
+        yield sse({"type": "message_stop"}, "message_stop")
+
+    @classmethod
+    def error(cls, e: WireError) -> dict:
+        return {"type": "error", "error": {"type": cls.KINDS.get(e.status, e.kind),
+                                           "message": e.message}}

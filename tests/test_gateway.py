@@ -1,0 +1,243 @@
+"""The gateway over HTTP with the official OpenAI and Anthropic SDKs, on the real engine.
+
+`tool_engine` serves the tiny model taught to call `add` (see conftest), so tool calls in
+these conversations are real generations.
+"""
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+import ray
+from conftest import ADD_TOOL
+
+from instar.agents.chat import render
+from instar.gateway.server import Gateway
+
+SAMPLING = {"temperature": 1.0, "max_tokens": 40}
+ANTHROPIC_TOOL = {"name": "add", "description": "Add two integers",
+                  "input_schema": ADD_TOOL["function"]["parameters"]}
+
+
+class Recorder:
+    """Calls the real engine and keeps what it returned, turn by turn."""
+
+    def __init__(self, engine):
+        self.engine, self.outputs = engine, []
+
+    async def __call__(self, ids, sampling):
+        gen = await self.engine.generate.remote(ids, sampling)
+        self.outputs.append(gen)
+        return gen
+
+
+@pytest.fixture
+def gateway(tool_engine, tokenizer):
+    recorder = Recorder(tool_engine)
+    gw = Gateway(recorder, tokenizer, model="tiny", max_model_len=512, sampling=SAMPLING).start()
+    gw.recorder = recorder
+    yield gw
+    gw.stop()
+
+
+def session(gw, max_turns=8, max_tokens=4096):
+    sid = gw.open_session("r0", "g0", max_turns, max_tokens)
+    return sid, *gw.urls(sid)
+
+
+def generated_spans(segment):
+    spans, cur = [], []
+    for tok, m in zip(segment.tokens, segment.loss_mask):
+        if m:
+            cur.append(tok)
+        elif cur:
+            spans, cur = spans + [cur], []
+    return spans + ([cur] if cur else [])
+
+
+def assert_token_identity(gw, seg, messages, tools):
+    """Generated spans are the engine's outputs, in order; everything else is the template's
+    rendering of the conversation (assistant turns = the engine's own text)."""
+    outs = gw.recorder.outputs
+    assert generated_spans(seg) == [g.token_ids for g in outs]
+    assert [lp for lp in seg.logprobs if lp is not None] == [x for g in outs for x in g.logprobs]
+    convo, k = [], 0
+    for m in messages:
+        if m["role"] == "assistant":
+            m = {"role": "assistant", "content": outs[k].text}
+            k += 1
+        convo.append(m)
+    convo.append({"role": "assistant", "content": outs[-1].text})
+    text = gw.tokenizer.decode(seg.tokens, skip_special_tokens=False)
+    expected = render(gw.tokenizer, convo, tools, False)
+    if outs[-1].finish_reason == "length":  # the last turn has no end-of-turn token yet
+        expected = expected[:expected.rindex("<|im_end|>")]
+    assert text == expected.removesuffix("\n")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_tool_round_trip_is_one_token_exact_segment(gateway, stream):
+    sid, base, _ = session(gateway)
+    client = openai.OpenAI(base_url=base, api_key=gateway.api_key)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+
+    def ask():
+        if not stream:
+            return client.chat.completions.create(model="tiny", messages=messages,
+                                                  tools=[ADD_TOOL]).choices[0]
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages,
+                                                     tools=[ADD_TOOL], stream=True))
+        calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+        return finish, calls
+
+    if stream:
+        finish, calls = ask()
+        assert finish == "tool_calls"
+        call = {"id": calls[0].id, "type": "function",
+                "function": {"name": calls[0].function.name,
+                             "arguments": calls[0].function.arguments}}
+    else:
+        choice = ask()
+        assert choice.finish_reason == "tool_calls"
+        call = choice.message.tool_calls[0].model_dump()
+    assert call["function"]["name"] == "add"
+    assert json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+    ask()
+    captured = gateway.close_session(sid)
+    assert len(captured.segments) == 1 and captured.turns == 2
+    assert_token_identity(gateway, captured.segments[0], messages, [ADD_TOOL])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_tool_round_trip_is_one_token_exact_segment(gateway, stream):
+    sid, _, base = session(gateway)
+    client = anthropic.Anthropic(base_url=base, api_key=gateway.api_key)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+
+    def ask():
+        kw = dict(model="tiny", max_tokens=40, messages=messages, tools=[ANTHROPIC_TOOL])
+        if stream:
+            with client.messages.stream(**kw) as s:
+                return s.get_final_message()
+        return client.messages.create(**kw)
+
+    first = ask()
+    assert first.stop_reason == "tool_use"
+    use = [b for b in first.content if b.type == "tool_use"][0]
+    assert (use.name, use.input) == ("add", {"a": 2, "b": 3})
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                               "content": "5"}]}]
+    ask()
+    captured = gateway.close_session(sid)
+    assert len(captured.segments) == 1 and captured.turns == 2
+    convo = [messages[0], {"role": "assistant", "content": ""}, {"role": "tool", "content": "5"}]
+    assert_token_identity(gateway, captured.segments[0], convo, [ADD_TOOL])
+
+
+def test_compaction_seals_a_segment_with_the_reason(gateway):
+    sid, base, _ = session(gateway)
+    client = openai.OpenAI(base_url=base, api_key=gateway.api_key)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages).choices[0].message
+    messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "and 4+4?"}]
+    client.chat.completions.create(model="tiny", messages=messages)
+    compacted = [{"role": "system", "content": "Earlier: 2+3 was asked."},
+                 {"role": "user", "content": "and 4+4?"}]
+    client.chat.completions.create(model="tiny", messages=compacted)
+    captured = gateway.close_session(sid)
+    assert [s.sealed_because for s in captured.segments] == ["history_rewritten", ""]
+    samples = captured.samples(reward=0.5, info={})
+    assert [s.segment for s in samples] == [0, 1]
+    assert {s.rollout_id for s in samples} == {"r0"} and {s.reward for s in samples} == {0.5}
+    assert samples[1].tokens[:sum(1 for m in samples[1].loss_mask if not m)] == \
+        gateway.tokenizer.encode(render(gateway.tokenizer, compacted, None, True))
+
+
+def test_a_retried_request_is_answered_again_but_recorded_once(gateway):
+    sid, base, _ = session(gateway)
+    client = openai.OpenAI(base_url=base, api_key=gateway.api_key)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    a = client.chat.completions.create(model="tiny", messages=messages, tools=[ADD_TOOL])
+    b = client.chat.completions.create(model="tiny", messages=messages, tools=[ADD_TOOL])
+    assert a.choices[0].message == b.choices[0].message
+    captured = gateway.close_session(sid)
+    assert captured.turns == 1 and len(gateway.recorder.outputs) == 1
+
+
+def test_bad_input_gets_the_wire_error_shape_and_changes_nothing(gateway):
+    sid, oa_base, an_base = session(gateway, max_turns=2)
+    oa = openai.OpenAI(base_url=oa_base, api_key=gateway.api_key, max_retries=0)
+    an = anthropic.Anthropic(base_url=an_base, api_key=gateway.api_key, max_retries=0)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    oa.chat.completions.create(model="tiny", messages=messages)
+    before = gateway.sessions[sid].segments[0].tokens.copy()
+    headers = {"Authorization": f"Bearer {gateway.api_key}", "x-api-key": gateway.api_key,
+               "content-type": "application/json"}
+
+    def raw(path, body, sid_=sid, hdrs=headers):
+        return httpx.post(f"{gateway.base}/s/{sid_}/v1/{path}", content=body, headers=hdrs)
+
+    cases = [
+        (raw("chat/completions", b"{not json"), 400, "openai"),
+        (raw("messages", b"{not json"), 400, "anthropic"),
+        (raw("chat/completions", b"{}", sid_="nope"), 404, "openai"),
+        (raw("messages", b'{"model": "m"}', sid_="nope"), 404, "anthropic"),
+        (raw("chat/completions", b"{}", hdrs={"Authorization": "Bearer wrong"}), 401, "openai"),
+        (raw("messages", b"{}", hdrs={"x-api-key": "wrong"}), 401, "anthropic"),
+        (raw("messages", json.dumps({"model": "m", "messages": messages}).encode()), 400,
+         "anthropic"),  # no max_tokens
+        (raw("chat/completions", json.dumps({"messages": messages, "n": 2}).encode()), 400,
+         "openai"),
+        (raw("chat/completions", json.dumps({"messages": messages, "temperature": 0.3}).encode()),
+         400, "openai"),
+        (raw("messages", json.dumps({"messages": messages, "max_tokens": 5,
+                                     "top_k": 5}).encode()), 400, "anthropic"),
+        (raw("chat/completions", json.dumps({"messages": [
+            {"role": "user", "content": "x" * 3000}]}).encode()), 400, "openai"),
+        (raw("chat/completions", json.dumps({"messages": messages,
+                                             "tool_choice": "required"}).encode()), 400, "openai"),
+    ]
+    for response, status, wire in cases:
+        assert response.status_code == status, response.text
+        body = response.json()
+        if wire == "openai":
+            assert set(body["error"]) >= {"message", "type"}, body
+        else:
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    long = httpx.post(f"{gateway.base}/s/{sid}/v1/chat/completions", headers=headers,
+                      json={"messages": [{"role": "user", "content": "x" * 3000}]}).json()
+    assert long["error"]["code"] == "context_length_exceeded"
+    # the SDKs raise their own typed errors for these
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=oa_base, api_key="wrong", max_retries=0).chat.completions.create(
+            model="tiny", messages=messages)
+    with pytest.raises(anthropic.BadRequestError):
+        an.messages.create(model="tiny", max_tokens=5, messages=messages,
+                           extra_body={"temperature": 0.2})
+    assert gateway.sessions[sid].segments[0].tokens == before and gateway.sessions[sid].turns == 1
+
+
+def test_turn_limit_truncates_the_episode(gateway):
+    sid, base, _ = session(gateway, max_turns=1)
+    client = openai.OpenAI(base_url=base, api_key=gateway.api_key, max_retries=0)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages).choices[0].message
+    messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    with pytest.raises(openai.BadRequestError, match="max_turns"):
+        client.chat.completions.create(model="tiny", messages=messages)
+    captured = gateway.close_session(sid)
+    assert captured.truncated == "max_turns"
+    assert [s.finish_reason for s in captured.samples(0.0, {})] == ["max_turns"]
+
+
+def test_session_ids_and_binding(gateway):
+    sids = {gateway.open_session(f"r{i}", "g", 1, 100) for i in range(50)}
+    assert len(sids) == 50 and all(len(s) >= 20 for s in sids)
+    assert gateway.base.startswith("http://127.0.0.1:")
+    assert ray.is_initialized()
