@@ -1,4 +1,5 @@
-"""instar's command line: `instar rl` (train) and `instar make-model` (build a tiny model)."""
+"""instar's command line: rl (train), rollout (no training), serve (engine + gateway),
+make-model (build a tiny model)."""
 
 import argparse
 import sys
@@ -25,8 +26,11 @@ def rl(argv: list[str]) -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--print-config", action="store_true")
+    pre.add_argument("--agent", default=None)
     known, rest = pre.parse_known_args(argv)
     default = load_yaml(known.config) if known.config else Config()
+    if known.agent:
+        default.agent.file = known.agent
     cfg = tyro.cli(Config, args=rest, default=default, prog="instar rl",
                    description="Train an agent with RL. Extra flags: --config recipe.yaml "
                                "(defaults from a YAML recipe), --print-config (print and exit).")
@@ -70,7 +74,19 @@ def make_model(argv: list[str]) -> None:
     print(build_model(args.out, args.kind, args.size, args.seed))
 
 
-COMMANDS = {"rl": rl, "make-model": make_model}
+def rollout(argv: list[str]) -> None:
+    from instar.jobs import RolloutArgs, rollout
+
+    rollout(tyro.cli(RolloutArgs, args=argv, prog="instar rollout"))
+
+
+def serve(argv: list[str]) -> None:
+    from instar.jobs import ServeArgs, serve
+
+    serve(tyro.cli(ServeArgs, args=argv, prog="instar serve"))
+
+
+COMMANDS = {"rl": rl, "rollout": rollout, "serve": serve, "make-model": make_model}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,9 +44,16 @@ class DataConfig:
 @dataclass
 class AgentConfig:
     file: str = ""
-    """Python file exposing `AgentRunner` (an Env or ChatAgent). Empty: the built-in task."""
+    """Agent file: `path.py` (uses its `AgentRunner`) or `path.py:ClassName`; an Env or a
+    ChatAgent. Empty: the built-in task. `--agent FILE` is short for `--agent.file FILE`."""
     config: dict[str, str] = field(default_factory=dict)
     """Keyword arguments for the agent's constructor (`--agent.config key value ...`)."""
+    max_turns: int | None = None
+    """Override the agent's `max_turns` (model turns per episode)."""
+    max_tokens: int | None = None
+    """Override the agent's `max_tokens` (tokens per episode, prompt and observations included)."""
+    timeout_s: float | None = None
+    """Override the agent's `timeout_s` (wall-clock seconds per episode; over it = failed)."""
 
 
 @dataclass

@@ -19,7 +19,6 @@ One step:
   4. the trainer writes its weights, the engine loads them, the version goes up by one.
 """
 
-import asyncio
 import hashlib
 import json
 import os
@@ -28,6 +27,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import ray
@@ -38,10 +38,10 @@ from transformers import AutoTokenizer
 
 from instar.agents.chat import as_messages, prompt_ids
 from instar.agents.contract import Task
-from instar.agents.env_loop import EpisodeError, run_env_episode
 from instar.agents.loading import load_agent, load_tasks
 from instar.config import Config
-from instar.rollout.engine import Engine
+from instar.rollout.engine import launch
+from instar.rollout.runner import Batch, Rollouts
 from instar.sample import Sample, write_jsonl
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model, cache_root
@@ -55,32 +55,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Rollouts:
-    """Runs episodes of the user's agent on the engine; counts the ones that fail."""
-
-    def __init__(self, agent_cls, agent_config: dict, engine, tokenizer, max_turns=None):
-        self.agent_cls, self.agent_config = agent_cls, agent_config
-        self.engine, self.tokenizer, self.max_turns = engine, tokenizer, max_turns
-        self.failures: dict[str, int] = {}
-
-    async def _one(self, task: Task, sampling: dict, rollout_id: str, group_id: str):
-        generate = lambda ids, s: self.engine.generate.remote(ids, s)  # noqa: E731
-        try:
-            return await run_env_episode(self.agent_cls(**self.agent_config), task, generate,
-                                         self.tokenizer, sampling, rollout_id, group_id,
-                                         self.max_turns)
-        except EpisodeError as e:
-            self.failures[e.reason] = self.failures.get(e.reason, 0) + 1
-            console.log(f"[yellow]rollout {rollout_id} failed: {e}")
-            return None
-
-    def run(self, tasks: list[Task], n: int, sampling: dict, tag: str) -> list[Sample]:
-        async def all_episodes():
-            return await asyncio.gather(*(self._one(t, sampling, f"{tag}-{t.id}-{k}", f"{tag}-{t.id}")
-                                          for t in tasks for k in range(n)))
-        return [s for s in asyncio.run(all_episodes()) if s is not None]
 
 
 class Trainer:
@@ -168,11 +142,14 @@ def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
 
 
 def to_sequences(samples: list[Sample], estimator: str) -> list[Sequence]:
-    group_ids = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
-    adv_B = ESTIMATORS[estimator](torch.tensor([s.reward for s in samples]),
-                                  torch.tensor([group_ids[s.group_id] for s in samples]))
-    return [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs], a)
-            for s, a in zip(samples, adv_B.tolist())]
+    """Advantages per rollout (a rollout of several segments counts once), then per segment."""
+    rollouts = {s.rollout_id: s for s in samples}
+    groups = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in rollouts.values()))}
+    adv_B = ESTIMATORS[estimator](torch.tensor([s.reward for s in rollouts.values()]),
+                                  torch.tensor([groups[s.group_id] for s in rollouts.values()]))
+    adv = dict(zip(rollouts, adv_B.tolist()))
+    return [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs], adv[s.rollout_id])
+            for s in samples]
 
 
 def mean(xs) -> float:
@@ -201,20 +178,35 @@ def run(cfg: Config) -> dict:
         model_path = warmup(cfg, model_path, train_tasks, tokenizer)
     trainer = Trainer(cfg, str(model_path))
     r = cfg.rollout
-    engine = ray.remote(num_cpus=0, num_gpus=1 if cfg.train.device == "cuda" else 0)(Engine).remote(
-        str(model_path), dtype=cfg.model.dtype, max_model_len=r.max_model_len,
-        kv_cache_gb=r.kv_cache_gb, threads=r.threads, seed=cfg.data.seed)
-    rollouts = Rollouts(agent_cls, cfg.agent.config, engine, tokenizer)
+    engine = launch(str(model_path), device=cfg.train.device, dtype=cfg.model.dtype,
+                    max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
+                    threads=r.threads, seed=cfg.data.seed)
+    a = cfg.agent
+    rollouts = Rollouts(agent_cls, a.config, engine, tokenizer, model_name=model_path.name,
+                        max_model_len=r.max_model_len,
+                        limits={"max_turns": a.max_turns, "max_tokens": a.max_tokens,
+                                "timeout_s": a.timeout_s})
     sampling = {"temperature": r.temperature, "max_tokens": r.max_tokens}
     eval_sampling = {"temperature": r.eval_temperature, "max_tokens": r.max_tokens}
     weights = Path(tempfile.mkdtemp(prefix="instar-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)) / "policy.safetensors"
     rng = random.Random(cfg.data.seed)
     order = list(range(len(train_tasks)))
-    history, metrics_file = [], open(run_dir / "metrics.jsonl", "w")
+    history, metrics_file, failed = [], open(run_dir / "metrics.jsonl", "w"), Counter()
+
+    failures_file = open(run_dir / "failed_rollouts.jsonl", "w")
+
+    def collect(batch: Batch) -> list[Sample]:
+        for err in batch.errors:
+            failures_file.write(json.dumps(err) + "\n")
+            console.log(f"[yellow]rollout {err['rollout_id']} failed ({err['reason']}), "
+                        f"traceback in {failures_file.name}")
+        failures_file.flush()
+        failed.update(batch.failed)
+        return batch.samples
 
     def evaluate(tag):
-        samples = rollouts.run(eval_tasks, 1, eval_sampling, tag) if eval_tasks else []
-        return mean(s.reward for s in samples)
+        samples = collect(rollouts.run(eval_tasks, 1, eval_sampling, tag)) if eval_tasks else []
+        return mean(s.reward for s in {x.rollout_id: x for x in samples}.values())
 
     summary = {"eval_reward_before": evaluate("eval-before")}
     columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=16),
@@ -227,9 +219,11 @@ def run(cfg: Config) -> dict:
                 order = list(range(len(train_tasks)))
             rng.shuffle(order)
             batch = [train_tasks[order.pop()] for _ in range(cfg.data.prompts_per_step)]
-            samples = rollouts.run(batch, r.group_size, sampling, f"s{step}")
+            result = rollouts.run(batch, r.group_size, sampling, f"s{step}")
+            samples = collect(result)
             if not samples:
-                raise RuntimeError(f"step {step}: every rollout failed ({rollouts.failures})")
+                raise RuntimeError(f"step {step}: every rollout failed ({dict(result.failed)}); "
+                                   f"see {failures_file.name}")
             t1 = time.time()
             stats = trainer.step(to_sequences(samples, cfg.algo.estimator), "pg", cfg.train.lr)
             t2 = time.time()
@@ -237,9 +231,11 @@ def run(cfg: Config) -> dict:
             ray.get(engine.load_weights.remote(str(weights), step))
             t3 = time.time()
             gen_tokens = sum(s.num_generated for s in samples)
-            m = {"step": step, "rollout/reward": mean(s.reward for s in samples),
-                 "rollout/exact": mean(s.info.get("exact", 0.0) for s in samples),
-                 "rollout/gen_tokens": gen_tokens, "rollout/failed": len(batch) * r.group_size - len(samples),
+            episodes = {s.rollout_id: s for s in samples}.values()
+            m = {"step": step, "rollout/reward": mean(s.reward for s in episodes),
+                 "rollout/exact": mean(s.info.get("exact", 0.0) for s in episodes),
+                 "rollout/gen_tokens": gen_tokens, "rollout/failed": sum(result.failed.values()),
+                 **{f"rollout/failed/{k}": v for k, v in result.failed.items()},
                  "train/loss": stats["loss"], "train/grad_norm": stats["grad_norm"],
                  "train/clip_frac": stats["clip_frac"],
                  "invariants/abs_logprob_diff": stats["abs_logprob_diff"],
@@ -255,6 +251,7 @@ def run(cfg: Config) -> dict:
                 f"{m['perf/gen_tokens_per_s']:.0f} tok/s | rollout {t1 - t0:.1f}s "
                 f"train {t2 - t1:.1f}s sync {t3 - t2:.1f}s"))
     metrics_file.close()
+    failures_file.close()
     summary["eval_reward_after"] = evaluate("eval-after")
     if history:
         summary["reward_first_step"] = history[0]["rollout/reward"]
@@ -262,10 +259,11 @@ def run(cfg: Config) -> dict:
         k = max(1, len(history) // 5)
         summary["reward_first_steps_mean"] = mean(h["rollout/reward"] for h in history[:k])
         summary["reward_last_steps_mean"] = mean(h["rollout/reward"] for h in history[-k:])
-    summary["failed_rollouts"] = dict(rollouts.failures)
+    summary["failed_rollouts"] = dict(failed)
     if cfg.checkpoint.save_final:
         trainer.export(model_path, run_dir / "final")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    rollouts.close()
     ray.get(engine.shutdown.remote())
     trainer.shutdown()
     ray.shutdown()

@@ -1,5 +1,8 @@
 """Shared fixtures: the built-in tiny model, one Ray session and one engine for all tests."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 
@@ -38,15 +41,14 @@ def engine(ray_session, tiny_model):
     ray.get(actor.shutdown.remote())
 
 
-ADD_TOOL = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                    "b": {"type": "integer"}}}}}
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from calculator_tool import CALCULATOR  # noqa: E402
+
 TOOL_CONVERSATION = [
     {"role": "user", "content": "What is 2+3?"},
     {"role": "assistant", "content": "",
-     "tool_calls": [{"type": "function", "function": {"name": "add",
-                                                      "arguments": {"a": 2, "b": 3}}}]},
+     "tool_calls": [{"type": "function", "function": {"name": "calculator",
+                                                      "arguments": {"expression": "2+3"}}}]},
     {"role": "tool", "content": "5"},
     {"role": "assistant", "content": "The answer is 5."},
 ]
@@ -54,8 +56,8 @@ TOOL_CONVERSATION = [
 
 @pytest.fixture(scope="session")
 def tool_model(tiny_model, tmp_path_factory):
-    """The tiny model taught (a few seconds of SFT) to call `add` and then answer, so that
-    real engine generations contain tool calls."""
+    """The tiny model taught (a few seconds of SFT) to call the calculator and then answer, so
+    that real engine generations contain tool calls (examples/calculator_tool.py)."""
     import shutil
 
     import torch
@@ -66,7 +68,7 @@ def tool_model(tiny_model, tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     ids, mask = [], []
     for i, msg in enumerate(TOOL_CONVERSATION):
-        text = tok.apply_chat_template(TOOL_CONVERSATION[:i + 1], tools=[ADD_TOOL], tokenize=False)
+        text = tok.apply_chat_template(TOOL_CONVERSATION[:i + 1], tools=[CALCULATOR], tokenize=False)
         new = tok.encode(text, add_special_tokens=False)[len(ids):]
         ids += new
         # learn the assistant turns: everything after "<|im_start|>assistant\n" up to <|im_end|>
@@ -74,7 +76,7 @@ def tool_model(tiny_model, tmp_path_factory):
         mask += [msg["role"] == "assistant" and head <= j < len(new) - 1 for j in range(len(new))]
     x, m = torch.tensor([ids]), torch.tensor([mask], dtype=torch.float32)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(150):
+    for _ in range(250):
         logp = torch.log_softmax(model(x).logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
         loss = -(logp * m[:, 1:]).sum() / m.sum()
         opt.zero_grad()

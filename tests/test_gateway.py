@@ -1,6 +1,6 @@
 """The gateway over HTTP with the official OpenAI and Anthropic SDKs, on the real engine.
 
-`tool_engine` serves the tiny model taught to call `add` (see conftest), so tool calls in
+`tool_engine` serves the tiny model taught to call the calculator (see conftest), so tool calls in
 these conversations are real generations.
 """
 
@@ -11,14 +11,14 @@ import httpx
 import openai
 import pytest
 import ray
-from conftest import ADD_TOOL
+from conftest import CALCULATOR
 
 from instar.agents.chat import render
 from instar.gateway.server import Gateway
 
-SAMPLING = {"temperature": 1.0, "max_tokens": 40}
-ANTHROPIC_TOOL = {"name": "add", "description": "Add two integers",
-                  "input_schema": ADD_TOOL["function"]["parameters"]}
+SAMPLING = {"temperature": 0.3, "max_tokens": 40}  # low: the taught path, reliably
+ANTHROPIC_TOOL = {"name": "calculator", "description": "Evaluate an arithmetic expression",
+                  "input_schema": CALCULATOR["function"]["parameters"]}
 
 
 class Recorder:
@@ -36,14 +36,14 @@ class Recorder:
 @pytest.fixture
 def gateway(tool_engine, tokenizer):
     recorder = Recorder(tool_engine)
-    gw = Gateway(recorder, tokenizer, model="tiny", max_model_len=512, sampling=SAMPLING).start()
+    gw = Gateway(recorder, tokenizer, model="tiny", max_model_len=512).start()
     gw.recorder = recorder
     yield gw
     gw.stop()
 
 
 def session(gw, max_turns=8, max_tokens=4096):
-    sid = gw.open_session("r0", "g0", max_turns, max_tokens)
+    sid = gw.open_session("r0", "g0", SAMPLING, max_turns, max_tokens)
     return sid, *gw.urls(sid)
 
 
@@ -86,9 +86,9 @@ def test_openai_tool_round_trip_is_one_token_exact_segment(gateway, stream):
     def ask():
         if not stream:
             return client.chat.completions.create(model="tiny", messages=messages,
-                                                  tools=[ADD_TOOL]).choices[0]
+                                                  tools=[CALCULATOR]).choices[0]
         chunks = list(client.chat.completions.create(model="tiny", messages=messages,
-                                                     tools=[ADD_TOOL], stream=True))
+                                                     tools=[CALCULATOR], stream=True))
         calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or []) if ch.choices]
         finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
         return finish, calls
@@ -103,14 +103,14 @@ def test_openai_tool_round_trip_is_one_token_exact_segment(gateway, stream):
         choice = ask()
         assert choice.finish_reason == "tool_calls"
         call = choice.message.tool_calls[0].model_dump()
-    assert call["function"]["name"] == "add"
-    assert json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
+    assert call["function"]["name"] == "calculator"
+    assert json.loads(call["function"]["arguments"]) == {"expression": "2+3"}
     messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
     ask()
     captured = gateway.close_session(sid)
     assert len(captured.segments) == 1 and captured.turns == 2
-    assert_token_identity(gateway, captured.segments[0], messages, [ADD_TOOL])
+    assert_token_identity(gateway, captured.segments[0], messages, [CALCULATOR])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -129,7 +129,7 @@ def test_anthropic_tool_round_trip_is_one_token_exact_segment(gateway, stream):
     first = ask()
     assert first.stop_reason == "tool_use"
     use = [b for b in first.content if b.type == "tool_use"][0]
-    assert (use.name, use.input) == ("add", {"a": 2, "b": 3})
+    assert (use.name, use.input) == ("calculator", {"expression": "2+3"})
     messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                "content": "5"}]}]
@@ -137,7 +137,7 @@ def test_anthropic_tool_round_trip_is_one_token_exact_segment(gateway, stream):
     captured = gateway.close_session(sid)
     assert len(captured.segments) == 1 and captured.turns == 2
     convo = [messages[0], {"role": "assistant", "content": ""}, {"role": "tool", "content": "5"}]
-    assert_token_identity(gateway, captured.segments[0], convo, [ADD_TOOL])
+    assert_token_identity(gateway, captured.segments[0], convo, [CALCULATOR])
 
 
 def test_compaction_seals_a_segment_with_the_reason(gateway):
@@ -163,8 +163,8 @@ def test_a_retried_request_is_answered_again_but_recorded_once(gateway):
     sid, base, _ = session(gateway)
     client = openai.OpenAI(base_url=base, api_key=gateway.api_key)
     messages = [{"role": "user", "content": "What is 2+3?"}]
-    a = client.chat.completions.create(model="tiny", messages=messages, tools=[ADD_TOOL])
-    b = client.chat.completions.create(model="tiny", messages=messages, tools=[ADD_TOOL])
+    a = client.chat.completions.create(model="tiny", messages=messages, tools=[CALCULATOR])
+    b = client.chat.completions.create(model="tiny", messages=messages, tools=[CALCULATOR])
     assert a.choices[0].message == b.choices[0].message
     captured = gateway.close_session(sid)
     assert captured.turns == 1 and len(gateway.recorder.outputs) == 1
@@ -194,7 +194,7 @@ def test_bad_input_gets_the_wire_error_shape_and_changes_nothing(gateway):
          "anthropic"),  # no max_tokens
         (raw("chat/completions", json.dumps({"messages": messages, "n": 2}).encode()), 400,
          "openai"),
-        (raw("chat/completions", json.dumps({"messages": messages, "temperature": 0.3}).encode()),
+        (raw("chat/completions", json.dumps({"messages": messages, "temperature": 0.9}).encode()),
          400, "openai"),
         (raw("messages", json.dumps({"messages": messages, "max_tokens": 5,
                                      "top_k": 5}).encode()), 400, "anthropic"),
@@ -237,7 +237,7 @@ def test_turn_limit_truncates_the_episode(gateway):
 
 
 def test_session_ids_and_binding(gateway):
-    sids = {gateway.open_session(f"r{i}", "g", 1, 100) for i in range(50)}
+    sids = {gateway.open_session(f"r{i}", "g", SAMPLING, 1, 100) for i in range(50)}
     assert len(sids) == 50 and all(len(s) >= 20 for s in sids)
     assert gateway.base.startswith("http://127.0.0.1:")
     assert ray.is_initialized()

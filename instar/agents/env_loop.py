@@ -90,15 +90,14 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
 
 
 async def run_env_episode(env: Env, task: Task, generate: Generate, tokenizer,
-                          sampling: dict[str, Any], rollout_id: str, group_id: str,
-                          max_turns: int | None = None) -> Sample:
+                          sampling: dict[str, Any], rollout_id: str, group_id: str) -> Sample:
     """One episode as one Sample; raises EpisodeError if the agent fails or times out.
 
     Errors of `generate` (the engine) propagate unchanged: they are not the agent's.
     """
     try:
         ep = await asyncio.wait_for(
-            _episode(env, task, generate, tokenizer, sampling, max_turns or env.max_turns),
+            _episode(env, task, generate, tokenizer, sampling, env.max_turns),
             timeout=env.timeout_s)
     except TimeoutError as e:
         raise EpisodeError("timeout", f"episode ran over {env.timeout_s}s") from e

@@ -2,22 +2,29 @@
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from instar.agents.contract import ChatAgent, Env, Task
 
 
-def load_agent(path: str) -> type[Env] | type[ChatAgent]:
-    """Import the Python file at `path` and return its `AgentRunner`."""
+def load_agent(spec: str) -> type[Env] | type[ChatAgent]:
+    """Import `path.py` and return its `AgentRunner`, or the class named in `path.py:Name`."""
+    path, _, name = spec.partition(":")
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"agent file {path} not found (--agent.file)")
-    spec = importlib.util.spec_from_file_location(f"instar_agent_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    runner = getattr(module, "AgentRunner", None)
-    if not (isinstance(runner, type) and issubclass(runner, (Env, ChatAgent))):
-        raise TypeError(f"{path} must define AgentRunner = <an Env or ChatAgent subclass>")
+        raise FileNotFoundError(f"agent file {path} not found (--agent)")
+    folder = str(file.resolve().parent)
+    if folder not in sys.path:  # so the agent can import modules that sit beside it
+        sys.path.insert(0, folder)
+    module_spec = importlib.util.spec_from_file_location(f"instar_agent_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    runner = getattr(module, name or "AgentRunner", None)
+    if not (isinstance(runner, type) and issubclass(runner, (Env, ChatAgent))
+            and runner not in (Env, ChatAgent)):
+        raise TypeError(f"{path} must define {name or 'AgentRunner'} as a subclass of "
+                        "instar.Env or instar.ChatAgent (e.g. `AgentRunner = MyEnv`)")
     return runner
 
 

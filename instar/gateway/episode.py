@@ -8,17 +8,18 @@ from instar.gateway.server import Gateway
 from instar.sample import Sample
 
 
-async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, rollout_id: str,
-                           group_id: str, timeout_s: float) -> list[Sample]:
-    sid = gateway.open_session(rollout_id, group_id, agent.max_turns, agent.max_tokens)
+async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, sampling: dict,
+                           rollout_id: str, group_id: str) -> list[Sample]:
+    """One episode as its captured segments; raises EpisodeError if the agent fails."""
+    sid = gateway.open_session(rollout_id, group_id, sampling, agent.max_turns, agent.max_tokens)
     openai_url, anthropic_url = gateway.urls(sid)
     ctx = ChatContext(task=task, openai_base_url=openai_url, anthropic_base_url=anthropic_url,
-                      api_key=gateway.api_key, model=gateway.model, sampling=dict(gateway.sampling))
+                      api_key=gateway.api_key, model=gateway.model, sampling=dict(sampling))
     try:
-        result = await asyncio.wait_for(agent_call(agent.run(ctx)), timeout_s)
+        result = await asyncio.wait_for(agent_call(agent.run(ctx)), agent.timeout_s)
         reward, info = result.reward, result.info
     except TimeoutError as e:
-        raise EpisodeError("timeout", f"episode ran over {timeout_s}s") from e
+        raise EpisodeError("timeout", f"episode ran over {agent.timeout_s}s") from e
     except EpisodeError:
         session = gateway.sessions.get(sid)
         if session is None or session.truncated is None:

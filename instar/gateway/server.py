@@ -35,10 +35,9 @@ class Gateway:
     """Runs the HTTP server in a background thread; sessions are opened and closed by the
     rollout code in the caller's thread."""
 
-    def __init__(self, generate, tokenizer, *, model: str, max_model_len: int,
-                 sampling: dict[str, Any]):
+    def __init__(self, generate, tokenizer, *, model: str, max_model_len: int):
         self.generate, self.tokenizer = generate, tokenizer
-        self.model, self.max_model_len, self.sampling = model, max_model_len, sampling
+        self.model, self.max_model_len = model, max_model_len
         self.api_key = "sk-instar-" + secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}
         self.locks: dict[str, asyncio.Lock] = {}
@@ -76,10 +75,11 @@ class Gateway:
             self.server.should_exit = True
             self.thread.join(timeout=10)
 
-    def open_session(self, rollout_id: str, group_id: str, max_turns: int,
-                     max_tokens: int) -> str:
+    def open_session(self, rollout_id: str, group_id: str, sampling: dict[str, Any],
+                     max_turns: int, max_tokens: int) -> str:
+        """A new episode; `sampling` (temperature, max_tokens) applies to all its requests."""
         sid = secrets.token_urlsafe(16)
-        self.sessions[sid] = Session(self.tokenizer, rollout_id, group_id, self.sampling,
+        self.sessions[sid] = Session(self.tokenizer, rollout_id, group_id, sampling,
                                      max_turns, max_tokens)
         return sid
 
@@ -107,9 +107,10 @@ class Gateway:
         if not secrets.compare_digest(given.encode(), self.api_key.encode()):
             raise WireError(401, "authentication_error", "invalid API key", "invalid_api_key")
 
-    def _check_sampling(self, req) -> None:
+    @staticmethod
+    def _check_sampling(req, sampling: dict[str, Any]) -> None:
         """A request may not sample differently from what the trainer will assume."""
-        run = {"temperature": self.sampling["temperature"], "top_p": 1.0, "top_k": 0.0}
+        run = {"temperature": sampling["temperature"], "top_p": 1.0, "top_k": 0.0}
         for name, value in req.sampling.items():
             if name == "top_k" and value == -1:
                 continue
@@ -131,7 +132,7 @@ class Gateway:
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         req = wire.parse(body)
-        self._check_sampling(req)
+        self._check_sampling(req, session.sampling)
         async with self.locks.setdefault(sid, asyncio.Lock()):
             try:
                 turn = session.plan(req.messages, req.tools)
@@ -149,8 +150,8 @@ class Gateway:
                         f"the context ({len(turn.prompt_ids)} tokens) leaves no room to generate "
                         f"within the model's {self.max_model_len} tokens",
                         "context_length_exceeded")
-                max_tokens = min(req.max_tokens or self.sampling["max_tokens"], room)
-                params = {"temperature": self.sampling["temperature"], "max_tokens": max_tokens,
+                max_tokens = min(req.max_tokens or session.sampling["max_tokens"], room)
+                params = {"temperature": session.sampling["temperature"], "max_tokens": max_tokens,
                           **({"stop": req.stop} if req.stop else {})}
                 try:
                     gen = await self.generate(turn.prompt_ids, params)

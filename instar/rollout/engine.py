@@ -64,3 +64,13 @@ class Engine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_cache_gb: int,
+           threads: int, seed: int):
+    """Start one Engine as a Ray actor (Ray must be initialised)."""
+    import ray
+
+    actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(Engine)
+    return actor.remote(model_path, dtype=dtype, max_model_len=max_model_len,
+                        kv_cache_gb=kv_cache_gb, threads=threads, seed=seed)

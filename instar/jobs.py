@@ -1,0 +1,119 @@
+"""The jobs besides training: `instar rollout` (an agent over a dataset, no training) and
+`instar serve` (the engine and the gateway on their own, for external harnesses)."""
+
+import json
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+from rich.console import Console
+from transformers import AutoTokenizer
+
+from instar.agents.loading import load_agent, load_tasks
+from instar.gateway.server import Gateway
+from instar.rollout.engine import launch
+from instar.rollout.runner import Rollouts
+from instar.sample import write_jsonl
+from instar.tasks.tiny_model import builtin_model
+
+
+@dataclass
+class EngineArgs:
+    model: str = ""
+    """Hugging Face checkpoint folder. Empty: the built-in tiny model."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    max_tokens: int = 256
+    """Most new tokens per model turn."""
+    max_model_len: int = 2048
+    """Longest context the engine accepts."""
+    device: str = "cpu"
+    """cpu or cuda."""
+
+
+@dataclass
+class RolloutArgs(EngineArgs):
+    """Run an agent over a dataset with a model (no training); write the samples as JSONL."""
+
+    agent: str = ""
+    """Agent file (`path.py` or `path.py:ClassName`)."""
+    data: str = ""
+    """Tasks, JSONL with at least `prompt`."""
+    out: str = "rollouts.jsonl"
+    """Where to write the samples (one JSON line per segment)."""
+    n_samples: int = 1
+    """Episodes per task."""
+    agent_config: dict[str, str] = field(default_factory=dict)
+    """Keyword arguments for the agent's constructor."""
+
+
+@dataclass
+class ServeArgs(EngineArgs):
+    """Serve the engine behind the gateway; print the base URLs and the key."""
+
+    sessions: int = 1
+    """Episodes (sessions) to open; each gets its own pair of base URLs."""
+    out: str = ""
+    """If set, write the captured sessions as JSONL samples here on exit."""
+
+
+def _engine(args: EngineArgs):
+    model = Path(args.model) if args.model else builtin_model()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    engine = launch(str(model), device=args.device, dtype="float32" if args.device == "cpu"
+                    else "bfloat16", max_model_len=args.max_model_len, kv_cache_gb=1,
+                    threads=2, seed=0)
+    return model, AutoTokenizer.from_pretrained(model), engine
+
+
+def rollout(args: RolloutArgs) -> dict:
+    if not args.agent or not args.data:
+        raise ValueError("instar rollout needs --agent FILE and --data FILE")
+    agent_cls, tasks = load_agent(args.agent), load_tasks(args.data)
+    model, tokenizer, engine = _engine(args)
+    runner = Rollouts(agent_cls, args.agent_config, engine, tokenizer, model_name=model.name,
+                      max_model_len=args.max_model_len, limits={})
+    batch = runner.run(tasks, args.n_samples, {"temperature": args.temperature,
+                                               "max_tokens": args.max_tokens}, "rollout")
+    runner.close()
+    Path(args.out).unlink(missing_ok=True)
+    write_jsonl(args.out, batch.samples)
+    episodes = {s.rollout_id: s for s in batch.samples}.values()
+    n = max(len(episodes), 1)
+    summary = {"episodes": len(episodes), "segments": len(batch.samples),
+               "mean_reward": sum(s.reward for s in episodes) / n,
+               "mean_turns": sum(s.info.get("turns", len(s.info.get("turn_rewards", [])))
+                                 for s in episodes) / n,
+               "failed": dict(batch.failed), "out": args.out}
+    for err in batch.errors:
+        Console(stderr=True).print(f"[yellow]{err['rollout_id']} failed:\n{err['traceback']}")
+    Console().print_json(json.dumps(summary))
+    ray.shutdown()
+    return summary
+
+
+def serve(args: ServeArgs) -> None:
+    model, tokenizer, engine = _engine(args)
+    gateway = Gateway(lambda ids, s: engine.generate.remote(ids, s), tokenizer,
+                      model=model.name, max_model_len=args.max_model_len).start()
+    sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
+    sids = [gateway.open_session(f"serve-{i}", "serve", sampling, 10**6, args.max_model_len)
+            for i in range(args.sessions)]
+    print(f"api key: {gateway.api_key}\nmodel: {model.name}")
+    for sid in sids:
+        openai_url, anthropic_url = gateway.urls(sid)
+        print(f"session {sid}\n  OpenAI base URL:    {openai_url}\n"
+              f"  Anthropic base URL: {anthropic_url}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    if args.out:
+        Path(args.out).unlink(missing_ok=True)
+        for sid in sids:
+            write_jsonl(args.out, gateway.close_session(sid).samples(0.0, {}))
+        print(f"wrote {args.out}")
+    gateway.stop()
+    ray.shutdown()

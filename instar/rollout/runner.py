@@ -1,0 +1,78 @@
+"""Run a user's agent (Env or ChatAgent) over tasks on an engine; collect Samples.
+
+A failing or hanging agent costs its rollout only: it is counted by reason, and its
+traceback kept, and the rest of the batch goes on.
+"""
+
+import asyncio
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+
+from instar.agents.contract import ChatAgent, Env, Task
+from instar.agents.env_loop import EpisodeError, run_env_episode
+from instar.gateway.episode import run_chat_episode
+from instar.gateway.server import Gateway
+from instar.sample import Sample
+
+
+@dataclass
+class Batch:
+    samples: list[Sample]
+    failed: Counter = field(default_factory=Counter)
+    """Failed rollouts by reason (agent_error, timeout, max_tokens, ...)."""
+    errors: list[dict] = field(default_factory=list)
+    """One record per failed rollout: rollout_id, reason, traceback."""
+
+    @property
+    def num_rollouts(self) -> int:
+        return len({s.rollout_id for s in self.samples})
+
+
+class Rollouts:
+    """Holds the engine handle, the tokenizer and (for ChatAgents) a running gateway."""
+
+    def __init__(self, agent_cls: type[Env] | type[ChatAgent], agent_config: dict, engine,
+                 tokenizer, *, model_name: str, max_model_len: int, limits: dict):
+        self.agent_cls, self.agent_config, self.tokenizer = agent_cls, agent_config, tokenizer
+        self.generate = lambda ids, s: engine.generate.remote(ids, s)  # noqa: E731
+        self.limits = {k: v for k, v in limits.items() if v is not None}
+        self.gateway = None
+        if issubclass(agent_cls, ChatAgent):
+            self.gateway = Gateway(self.generate, tokenizer, model=model_name,
+                                   max_model_len=max_model_len).start()
+
+    def _agent(self):
+        agent = self.agent_cls(**self.agent_config)
+        for name, value in self.limits.items():  # run-config overrides of class limits
+            setattr(agent, name, value)
+        return agent
+
+    async def _one(self, task: Task, sampling: dict, rollout_id: str, group_id: str,
+                   batch: Batch) -> None:
+        agent = self._agent()
+        try:
+            if self.gateway is None:
+                batch.samples.append(await run_env_episode(
+                    agent, task, self.generate, self.tokenizer, sampling, rollout_id, group_id))
+            else:
+                batch.samples += await run_chat_episode(agent, task, self.gateway, sampling,
+                                                        rollout_id, group_id)
+        except EpisodeError as e:
+            batch.failed[e.reason] += 1
+            batch.errors.append({"rollout_id": rollout_id, "reason": e.reason,
+                                 "traceback": "".join(traceback.format_exception(e))})
+
+    def run(self, tasks: list[Task], n: int, sampling: dict, tag: str) -> Batch:
+        """`n` episodes of each task; rollouts of one task share a group id."""
+        batch = Batch([])
+
+        async def all_episodes():
+            await asyncio.gather(*(self._one(t, sampling, f"{tag}-{t.id}-{k}", f"{tag}-{t.id}",
+                                             batch) for t in tasks for k in range(n)))
+        asyncio.run(all_episodes())
+        return batch
+
+    def close(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
