@@ -250,9 +250,9 @@ def run(cfg: Config) -> dict:
                 f"reward {m['rollout/reward']:.3f} |Δlogp| {m['invariants/abs_logprob_diff']:.0e} "
                 f"{m['perf/gen_tokens_per_s']:.0f} tok/s | rollout {t1 - t0:.1f}s "
                 f"train {t2 - t1:.1f}s sync {t3 - t2:.1f}s"))
+    summary["eval_reward_after"] = evaluate("eval-after")
     metrics_file.close()
     failures_file.close()
-    summary["eval_reward_after"] = evaluate("eval-after")
     if history:
         summary["reward_first_step"] = history[0]["rollout/reward"]
         summary["reward_last_step"] = history[-1]["rollout/reward"]

@@ -33,10 +33,10 @@ def ray_session():
 def engine(ray_session, tiny_model):
     import ray
 
-    from instar.rollout.engine import Engine
+    from instar.rollout.engine import launch
 
-    actor = ray.remote(num_cpus=0)(Engine).remote(
-        str(tiny_model), dtype="float32", max_model_len=512, kv_cache_gb=1, threads=1, seed=0)
+    actor = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=512,
+                   kv_cache_gb=1, threads=1, seed=0)
     yield actor
     ray.get(actor.shutdown.remote())
 
@@ -93,9 +93,9 @@ def tool_model(tiny_model, tmp_path_factory):
 def tool_engine(ray_session, tool_model):
     import ray
 
-    from instar.rollout.engine import Engine
+    from instar.rollout.engine import launch
 
-    actor = ray.remote(num_cpus=0)(Engine).remote(
-        str(tool_model), dtype="float32", max_model_len=512, kv_cache_gb=1, threads=1, seed=0)
+    actor = launch(str(tool_model), device="cpu", dtype="float32", max_model_len=512,
+                   kv_cache_gb=1, threads=1, seed=0)
     yield actor
     ray.get(actor.shutdown.remote())

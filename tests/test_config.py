@@ -41,7 +41,7 @@ def test_flag_surface_is_frozen():
     names = sorted(f"{g.name}.{f.name}" for g in dataclasses.fields(Config)
                    for f in dataclasses.fields(g.type))
     assert names == sorted("""
-        agent.config agent.file algo.clip_high algo.clip_low algo.estimator
+        agent.config agent.file agent.max_tokens agent.max_turns agent.timeout_s algo.clip_high algo.clip_low algo.estimator
         checkpoint.save_final data.eval data.eval_size data.prompts_per_step data.seed
         data.train logging.name logging.progress logging.root model.dtype model.kind
         model.path model.seed model.size rollout.eval_temperature rollout.group_size

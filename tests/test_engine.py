@@ -76,12 +76,12 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
 
 
 def test_tiny_moe_model_loads_in_vllm_with_matching_logprobs(ray_session, tokenizer):
-    from instar.rollout.engine import Engine
+    from instar.rollout.engine import launch
     from instar.tasks.tiny_model import builtin_model
 
     path = builtin_model("moe", "tiny", 0)
-    engine = ray.remote(num_cpus=0)(Engine).remote(
-        str(path), dtype="float32", max_model_len=256, kv_cache_gb=1, threads=1, seed=0)
+    engine = launch(str(path), device="cpu", dtype="float32", max_model_len=256,
+                    kv_cache_gb=1, threads=1, seed=0)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         for prompt, gen in generate_all(engine, tokenizer):

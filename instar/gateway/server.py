@@ -151,7 +151,7 @@ class Gateway:
                         f"within the model's {self.max_model_len} tokens",
                         "context_length_exceeded")
                 max_tokens = min(req.max_tokens or session.sampling["max_tokens"], room)
-                params = {"temperature": session.sampling["temperature"], "max_tokens": max_tokens,
+                params = {**session.sampling, "max_tokens": max_tokens,
                           **({"stop": req.stop} if req.stop else {})}
                 try:
                     gen = await self.generate(turn.prompt_ids, params)

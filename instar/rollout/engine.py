@@ -68,9 +68,12 @@ class Engine:
 
 def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_cache_gb: int,
            threads: int, seed: int):
-    """Start one Engine as a Ray actor (Ray must be initialised)."""
+    """Start one Engine as a Ray actor (Ray must be initialised); returns once it is up, so
+    start-up time never counts against an episode's timeout."""
     import ray
 
-    actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(Engine)
-    return actor.remote(model_path, dtype=dtype, max_model_len=max_model_len,
-                        kv_cache_gb=kv_cache_gb, threads=threads, seed=seed)
+    actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(Engine).remote(
+        model_path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+        threads=threads, seed=seed)
+    ray.get(actor.__ray_ready__.remote())
+    return actor

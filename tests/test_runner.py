@@ -1,0 +1,70 @@
+"""Rollouts over a batch: failing and hanging agents cost their own rollout only."""
+
+import asyncio
+
+import openai
+
+from instar import ChatAgent, Env, Result, Task
+from instar.rollout.runner import Rollouts
+
+SAMPLING = {"temperature": 1.0, "max_tokens": 4}
+TASKS = [Task(prompt=f"task {i}", id=str(i)) for i in range(4)]
+
+
+class Flaky(Env):
+    """Raises on task 1, hangs on task 2, works on the others."""
+
+    timeout_s = 1.0
+
+    async def reset(self, task):
+        self.id = task.id
+        return task.prompt
+
+    async def step(self, action):
+        if self.id == "1":
+            raise RuntimeError("tool crashed")
+        if self.id == "2":
+            await asyncio.sleep(30)
+        return Result(reward=1.0)
+
+
+class FlakyChat(ChatAgent):
+    timeout_s = 5.0
+
+    async def run(self, ctx):
+        client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key)
+        await client.chat.completions.create(model=ctx.model, messages=[
+            {"role": "user", "content": ctx.task.prompt}])
+        if ctx.task.id == "1":
+            raise ValueError("parse error")
+        if ctx.task.id == "2":
+            await asyncio.sleep(30)
+        return Result(reward=1.0, info={"ok": True})
+
+
+def run(agent_cls, engine, tokenizer, limits=None):
+    runner = Rollouts(agent_cls, {}, engine, tokenizer, model_name="tiny", max_model_len=512,
+                      limits=limits or {})
+    try:
+        return runner.run(TASKS, 2, SAMPLING, "t")
+    finally:
+        runner.close()
+
+
+def test_env_failures_are_counted_and_the_batch_completes(engine, tokenizer):
+    batch = run(Flaky, engine, tokenizer)
+    assert dict(batch.failed) == {"agent_error": 2, "timeout": 2}
+    assert sorted(s.rollout_id for s in batch.samples) == ["t-0-0", "t-0-1", "t-3-0", "t-3-1"]
+    assert all("RuntimeError: tool crashed" in e["traceback"] for e in batch.errors
+               if e["reason"] == "agent_error")
+
+
+def test_chat_agent_failures_are_counted_and_the_batch_completes(engine, tokenizer):
+    batch = run(FlakyChat, engine, tokenizer)
+    assert dict(batch.failed) == {"agent_error": 2, "timeout": 2}
+    assert batch.num_rollouts == 4 and all(s.info["ok"] for s in batch.samples)
+
+
+def test_run_config_overrides_agent_limits(engine, tokenizer):
+    batch = run(Flaky, engine, tokenizer, limits={"timeout_s": 0.01, "max_turns": None})
+    assert batch.failed["timeout"] == 8 and not batch.samples

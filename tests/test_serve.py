@@ -1,0 +1,39 @@
+"""`instar serve` as a user runs it: URLs and key printed, a request answered, sessions saved."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+
+from instar.sample import read_jsonl
+
+
+def test_instar_serve_prints_urls_and_writes_sessions(tiny_model, tmp_path):
+    out = tmp_path / "sessions.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "instar.cli", "serve", "--model", str(tiny_model),
+         "--max-tokens", "8", "--max-model-len", "512", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines, deadline = [], time.time() + 300
+        while not any("Anthropic base URL" in line for line in lines):
+            assert time.time() < deadline and proc.poll() is None, lines
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        key = re.search(r"api key: (\S+)", text).group(1)
+        base = re.search(r"OpenAI base URL:\s+(\S+)", text).group(1)
+        assert base.startswith("http://127.0.0.1:") and base.endswith("/v1")
+        reply = openai.OpenAI(base_url=base, api_key=key).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert reply.usage.completion_tokens == 8
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    samples = read_jsonl(out)
+    assert len(samples) == 1 and samples[0].num_generated == 8
