@@ -188,11 +188,10 @@ def run(cfg: Config) -> dict:
                                 "timeout_s": a.timeout_s})
     sampling = {"temperature": r.temperature, "max_tokens": r.max_tokens}
     eval_sampling = {"temperature": r.eval_temperature, "max_tokens": r.max_tokens}
-    weights = Path(tempfile.mkdtemp(prefix="instar-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)) / "policy.safetensors"
-    rng = random.Random(cfg.data.seed)
-    order = list(range(len(train_tasks)))
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # weights to the engine via RAM
+    weights = Path(tempfile.mkdtemp(prefix="instar-", dir=shm)) / "policy.safetensors"
+    rng, order = random.Random(cfg.data.seed), []
     history, metrics_file, failed = [], open(run_dir / "metrics.jsonl", "w"), Counter()
-
     failures_file = open(run_dir / "failed_rollouts.jsonl", "w")
 
     def collect(batch: Batch) -> list[Sample]:
@@ -215,9 +214,9 @@ def run(cfg: Config) -> dict:
         task_bar = bar.add_task("", total=cfg.train.steps)
         for step in range(1, cfg.train.steps + 1):
             t0 = time.time()
-            if len(order) < cfg.data.prompts_per_step:
+            if len(order) < cfg.data.prompts_per_step:  # next epoch
                 order = list(range(len(train_tasks)))
-            rng.shuffle(order)
+                rng.shuffle(order)
             batch = [train_tasks[order.pop()] for _ in range(cfg.data.prompts_per_step)]
             result = rollouts.run(batch, r.group_size, sampling, f"s{step}")
             samples = collect(result)
@@ -232,8 +231,11 @@ def run(cfg: Config) -> dict:
             t3 = time.time()
             gen_tokens = sum(s.num_generated for s in samples)
             episodes = {s.rollout_id: s for s in samples}.values()
+            info_keys = {k for s in episodes for k, v in s.info.items()
+                         if isinstance(v, int | float) and not isinstance(v, bool)}
             m = {"step": step, "rollout/reward": mean(s.reward for s in episodes),
-                 "rollout/exact": mean(s.info.get("exact", 0.0) for s in episodes),
+                 **{f"rollout/info/{k}": mean(s.info[k] for s in episodes if k in s.info)
+                    for k in sorted(info_keys)},
                  "rollout/gen_tokens": gen_tokens, "rollout/failed": sum(result.failed.values()),
                  **{f"rollout/failed/{k}": v for k, v in result.failed.items()},
                  "train/loss": stats["loss"], "train/grad_norm": stats["grad_norm"],

@@ -10,7 +10,11 @@ stamp="$VENV/.instar-setup"
 want=$(cat pyproject.toml scripts/setup_cpu.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+# pip notes every package missing from this machine's local index folders; drop those lines.
+pip() {
+    "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2>&1 \
+        | { grep -v '^WARNING: Location .* is ignored' || true; }
+}
 # --isolated: ignore this machine's local wheel folder, which holds the +cpu torch build.
 pip install --isolated -q torch==2.13.0 torchvision==0.28.0
 pip install -q packaging

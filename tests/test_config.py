@@ -85,3 +85,9 @@ def test_cli_config_error_is_a_clear_message():
     assert out.returncode != 0
     assert "config error: --rollout.group-size must be at least 2" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_agent_shorthand_flag():
+    out = run_cli("rl", "--agent", "examples/calculator_env.py", "--print-config")
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["agent"]["file"] == "examples/calculator_env.py"

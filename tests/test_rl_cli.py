@@ -31,3 +31,18 @@ def test_instar_rl_end_to_end(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["eval_reward_after"] <= 1.0
     AutoModelForCausalLM.from_pretrained(run / "final")
+
+
+def test_instar_rl_trains_a_chat_agent(tmp_path):
+    data = "examples/data/calculator.jsonl"
+    out = subprocess.run(
+        [sys.executable, "-m", "instar.cli", "rl", "--agent", "examples/compacting_agent.py",
+         "--data.train", data, "--data.eval", data, "--data.eval-size", "2",
+         "--train.steps", "1", "--train.warmup-sft-steps", "0", "--data.prompts-per-step", "2",
+         "--rollout.group-size", "2", "--rollout.max-tokens", "8",
+         "--logging.root", str(tmp_path), "--logging.name", "run", "--logging.no-progress"],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (m,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert m["rollout/failed"] == 0 and m["invariants/abs_logprob_diff"] < 1e-4
+    assert m["rollout/info/turns"] == 3  # three model calls, in two segments

@@ -8,6 +8,8 @@ imports torch or ray: an agent is an ordinary Python program.
 from dataclasses import dataclass, field
 from typing import Any
 
+from instar.agents.tool_parser import parse_hermes
+
 Message = dict[str, Any]
 
 
@@ -93,6 +95,10 @@ class Env:
 
     async def step(self, action: Action) -> Result:
         raise NotImplementedError
+
+    def parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
+        """Tool calls in the model's output; override for models with another format."""
+        return parse_hermes(text)
 
 
 class ChatAgent:

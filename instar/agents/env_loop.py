@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 from instar.agents.chat import as_messages, continuation_ids, prompt_ids
 from instar.agents.contract import Action, Env, Task
-from instar.agents.tool_parser import parse_hermes
 from instar.sample import Sample
 
 
@@ -47,7 +46,7 @@ async def agent_call(coro):
 
 
 async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
-                   sampling: dict[str, Any], max_turns: int, parse=parse_hermes) -> dict:
+                   sampling: dict[str, Any], max_turns: int) -> dict:
     messages = as_messages(await agent_call(env.reset(task)))
     tokens = prompt_ids(tokenizer, messages, env.tools)
     mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
@@ -63,7 +62,8 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         mask += [True] * n
         logprobs += gen.logprobs
         versions += [gen.version] * n
-        result = await agent_call(env.step(Action(gen.text, list(gen.token_ids), parse(gen.text))))
+        action = Action(gen.text, list(gen.token_ids), env.parse_tool_calls(gen.text))
+        result = await agent_call(env.step(action))
         reward += result.reward
         turn_rewards.append(result.reward)
         info.update(result.info)

@@ -37,6 +37,7 @@ class Rollouts:
         self.agent_cls, self.agent_config, self.tokenizer = agent_cls, agent_config, tokenizer
         self.generate = lambda ids, s: engine.generate.remote(ids, s)  # noqa: E731
         self.limits = {k: v for k, v in limits.items() if v is not None}
+        self.max_model_len = max_model_len
         self.gateway = None
         if issubclass(agent_cls, ChatAgent):
             self.gateway = Gateway(self.generate, tokenizer, model=model_name,
@@ -46,6 +47,7 @@ class Rollouts:
         agent = self.agent_cls(**self.agent_config)
         for name, value in self.limits.items():  # run-config overrides of class limits
             setattr(agent, name, value)
+        agent.max_tokens = min(agent.max_tokens, self.max_model_len)  # what the engine takes
         return agent
 
     async def _one(self, task: Task, sampling: dict, rollout_id: str, group_id: str,
