@@ -70,8 +70,13 @@ class RolloutConfig:
     """Longest sequence (prompt and all turns) the engine accepts."""
     kv_cache_gb: int = 1
     """KV-cache size of a CPU engine, GiB."""
+    num_engines: int = 1
+    """vLLM engines (Ray actors); episodes are spread over them, one episode per engine."""
     threads: int = 2
-    """CPU threads of the engine (on a CPU machine; the loop is synchronous)."""
+    """CPU threads of each engine (on a CPU machine; the loop is synchronous)."""
+    sync_check_tol: float = 1e-4
+    """After each weight sync, the most the engine's and trainer's log-probs of a fixed probe
+    sequence may differ before the run stops (float32: 1e-4; bfloat16 needs about 5e-2)."""
 
 
 @dataclass
@@ -154,6 +159,10 @@ class Config:
         if r.temperature <= 0 or r.eval_temperature <= 0:
             raise ValueError("--rollout.temperature and --rollout.eval-temperature must be > 0: "
                              "greedy decoding has no behaviour log-probs to train with")
+        if r.num_engines < 1:
+            raise ValueError("--rollout.num-engines must be >= 1")
+        if r.sync_check_tol <= 0:
+            raise ValueError("--rollout.sync-check-tol must be > 0")
         if r.max_tokens >= r.max_model_len:
             raise ValueError(f"--rollout.max-tokens ({r.max_tokens}) must be smaller than "
                              f"--rollout.max-model-len ({r.max_model_len})")

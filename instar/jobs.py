@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from instar.agents.loading import load_agent, load_tasks
 from instar.gateway.server import Gateway
 from instar.rollout.engine import launch
+from instar.rollout.router import Router
 from instar.rollout.runner import Rollouts
 from instar.sample import write_jsonl
 from instar.tasks.tiny_model import builtin_model
@@ -62,18 +63,18 @@ class ServeArgs(EngineArgs):
 def _engine(args: EngineArgs):
     model = Path(args.model) if args.model else builtin_model()
     ray.init(include_dashboard=False, log_to_driver=False)
-    engine = launch(str(model), device=args.device, dtype="float32" if args.device == "cpu"
-                    else "bfloat16", max_model_len=args.max_model_len, kv_cache_gb=1,
-                    threads=2, seed=0)
-    return model, AutoTokenizer.from_pretrained(model), engine
+    engines = launch(str(model), device=args.device, dtype="float32" if args.device == "cpu"
+                     else "bfloat16", max_model_len=args.max_model_len, kv_cache_gb=1,
+                     threads=2, seed=0)
+    return model, AutoTokenizer.from_pretrained(model), engines
 
 
 def rollout(args: RolloutArgs) -> dict:
     if not args.agent or not args.data:
         raise ValueError("instar rollout needs --agent FILE and --data FILE")
     agent_cls, tasks = load_agent(args.agent), load_tasks(args.data)
-    model, tokenizer, engine = _engine(args)
-    runner = Rollouts(agent_cls, args.agent_config, engine, tokenizer, model_name=model.name,
+    model, tokenizer, engines = _engine(args)
+    runner = Rollouts(agent_cls, args.agent_config, engines, tokenizer, model_name=model.name,
                       max_model_len=args.max_model_len, limits={})
     batch = runner.run(tasks, args.n_samples, {"temperature": args.temperature,
                                                "max_tokens": args.max_tokens}, "rollout")
@@ -95,9 +96,9 @@ def rollout(args: RolloutArgs) -> dict:
 
 
 def serve(args: ServeArgs) -> None:
-    model, tokenizer, engine = _engine(args)
-    gateway = Gateway(lambda ids, s: engine.generate.remote(ids, s), tokenizer,
-                      model=model.name, max_model_len=args.max_model_len).start()
+    model, tokenizer, engines = _engine(args)
+    gateway = Gateway(Router(engines).generate, tokenizer, model=model.name,
+                      max_model_len=args.max_model_len).start()
     sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
     sids = [gateway.open_session(f"serve-{i}", "serve", sampling, 10**6, args.max_model_len)
             for i in range(args.sessions)]

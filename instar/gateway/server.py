@@ -33,7 +33,8 @@ from instar.gateway.wire import AnthropicWire, OpenAIWire, WireError, bad_reques
 
 class Gateway:
     """Runs the HTTP server in a background thread; sessions are opened and closed by the
-    rollout code in the caller's thread."""
+    rollout code in the caller's thread. `generate(episode, ids, sampling)` calls the engine
+    (the episode key lets a router keep a session on one engine)."""
 
     def __init__(self, generate, tokenizer, *, model: str, max_model_len: int):
         self.generate, self.tokenizer = generate, tokenizer
@@ -154,7 +155,7 @@ class Gateway:
                 params = {**session.sampling, "max_tokens": max_tokens,
                           **({"stop": req.stop} if req.stop else {})}
                 try:
-                    gen = await self.generate(turn.prompt_ids, params)
+                    gen = await self.generate(session.rollout_id, turn.prompt_ids, params)
                 except Exception as e:
                     raise WireError(503, "api_error", f"the engine failed: {e}") from e
                 reply = make_reply(gen, req.parse_tools, len(turn.prompt_ids))

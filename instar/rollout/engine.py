@@ -20,13 +20,15 @@ class Generation:
     text: str
     stop: str | None = None
     """The stop string that ended generation, if one did."""
+    engine: int = 0
+    """Which engine of the pool produced it."""
 
 
 class Engine:
     """Ray actor (create with `ray.remote(Engine)`); one per engine."""
 
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: float,
-                 threads: int, seed: int):
+                 threads: int, seed: int, engine_id: int = 0):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         from vllm import AsyncEngineArgs
@@ -38,7 +40,7 @@ class Engine:
             worker_extension_cls="instar.rollout.weight_receiver.WeightReceiver",
             enable_prefix_caching=True)
         self.llm = AsyncLLM.from_engine_args(args)
-        self.version = 0
+        self.version, self.engine_id = 0, engine_id
 
     async def generate(self, prompt_ids: list[int], sampling: dict) -> Generation:
         from vllm import SamplingParams, TokensPrompt
@@ -52,7 +54,19 @@ class Engine:
         o = final.outputs[0]
         logprobs = [step[tok].logprob for tok, step in zip(o.token_ids, o.logprobs)]
         stop = o.stop_reason if isinstance(o.stop_reason, str) else None
-        return Generation(list(o.token_ids), logprobs, version, o.finish_reason, o.text, stop)
+        return Generation(list(o.token_ids), logprobs, version, o.finish_reason, o.text, stop,
+                          self.engine_id)
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-prob of each token given those before it (temperature 1; position 0 gets 0)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params,
+                                           request_id=uuid.uuid4().hex):
+            final = out
+        return [0.0] + [step[tok].logprob for tok, step in
+                        zip(token_ids[1:], final.prompt_logprobs[1:])]
 
     async def load_weights(self, path: str, version: int) -> None:
         await self.llm.collective_rpc("load_safetensors", args=(path,))
@@ -67,13 +81,14 @@ class Engine:
 
 
 def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_cache_gb: int,
-           threads: int, seed: int):
-    """Start one Engine as a Ray actor (Ray must be initialised); returns once it is up, so
-    start-up time never counts against an episode's timeout."""
+           threads: int, seed: int, count: int = 1) -> list:
+    """Start `count` Engines as Ray actors (Ray must be initialised); returns once they are
+    up, so start-up time never counts against an episode's timeout."""
     import ray
 
-    actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(Engine).remote(
-        model_path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
-        threads=threads, seed=seed)
-    ray.get(actor.__ray_ready__.remote())
-    return actor
+    actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(Engine)
+    engines = [actor.remote(model_path, dtype=dtype, max_model_len=max_model_len,
+                            kv_cache_gb=kv_cache_gb, threads=threads, seed=seed + i, engine_id=i)
+               for i in range(count)]
+    ray.get([e.__ray_ready__.remote() for e in engines])
+    return engines

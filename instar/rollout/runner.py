@@ -13,6 +13,7 @@ from instar.agents.contract import ChatAgent, Env, Task
 from instar.agents.env_loop import EpisodeError, run_env_episode
 from instar.gateway.episode import run_chat_episode
 from instar.gateway.server import Gateway
+from instar.rollout.router import Router
 from instar.sample import Sample
 
 
@@ -32,15 +33,15 @@ class Batch:
 class Rollouts:
     """Holds the engine handle, the tokenizer and (for ChatAgents) a running gateway."""
 
-    def __init__(self, agent_cls: type[Env] | type[ChatAgent], agent_config: dict, engine,
-                 tokenizer, *, model_name: str, max_model_len: int, limits: dict):
+    def __init__(self, agent_cls: type[Env] | type[ChatAgent], agent_config: dict,
+                 engines: list, tokenizer, *, model_name: str, max_model_len: int, limits: dict):
         self.agent_cls, self.agent_config, self.tokenizer = agent_cls, agent_config, tokenizer
-        self.generate = lambda ids, s: engine.generate.remote(ids, s)  # noqa: E731
+        self.router = Router(engines)
         self.limits = {k: v for k, v in limits.items() if v is not None}
         self.max_model_len = max_model_len
         self.gateway = None
         if issubclass(agent_cls, ChatAgent):
-            self.gateway = Gateway(self.generate, tokenizer, model=model_name,
+            self.gateway = Gateway(self.router.generate, tokenizer, model=model_name,
                                    max_model_len=max_model_len).start()
 
     def _agent(self):
@@ -55,8 +56,9 @@ class Rollouts:
         agent = self._agent()
         try:
             if self.gateway is None:
+                generate = lambda ids, s: self.router.generate(rollout_id, ids, s)  # noqa: E731
                 batch.samples.append(await run_env_episode(
-                    agent, task, self.generate, self.tokenizer, sampling, rollout_id, group_id))
+                    agent, task, generate, self.tokenizer, sampling, rollout_id, group_id))
             else:
                 batch.samples += await run_chat_episode(agent, task, self.gateway, sampling,
                                                         rollout_id, group_id)
@@ -64,6 +66,8 @@ class Rollouts:
             batch.failed[e.reason] += 1
             batch.errors.append({"rollout_id": rollout_id, "reason": e.reason,
                                  "traceback": "".join(traceback.format_exception(e))})
+        finally:
+            self.router.release(rollout_id)
 
     def run(self, tasks: list[Task], n: int, sampling: dict, tag: str) -> Batch:
         """`n` episodes of each task; rollouts of one task share a group id."""
