@@ -29,16 +29,21 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def engine(ray_session, tiny_model):
+def serve_model(path):
+    """One CPU engine on `path` for the test session; shut down at the end."""
     import ray
 
     from instar.rollout.engine import launch
 
-    (actor,) = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=512,
+    (actor,) = launch(str(path), device="cpu", dtype="float32", max_model_len=512,
                       kv_cache_gb=1, threads=1, seed=0)
     yield actor
     ray.get(actor.shutdown.remote())
+
+
+@pytest.fixture(scope="session")
+def engine(ray_session, tiny_model):
+    yield from serve_model(tiny_model)
 
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
@@ -91,11 +96,4 @@ def tool_model(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tool_engine(ray_session, tool_model):
-    import ray
-
-    from instar.rollout.engine import launch
-
-    (actor,) = launch(str(tool_model), device="cpu", dtype="float32", max_model_len=512,
-                      kv_cache_gb=1, threads=1, seed=0)
-    yield actor
-    ray.get(actor.shutdown.remote())
+    yield from serve_model(tool_model)
