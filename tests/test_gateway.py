@@ -202,6 +202,13 @@ def test_bad_input_gets_the_wire_error_shape_and_changes_nothing(gateway):
             {"role": "user", "content": "x" * 3000}]}).encode()), 400, "openai"),
         (raw("chat/completions", json.dumps({"messages": messages,
                                              "tool_choice": "required"}).encode()), 400, "openai"),
+        (raw("messages", json.dumps({"messages": messages, "max_tokens": 5,
+                                     "tool_choice": "auto", "tools": ["x"]}).encode()), 400,
+         "anthropic"),  # fields of the wrong type
+        (raw("chat/completions", json.dumps({"messages": {"role": "user"}}).encode()), 400,
+         "openai"),
+        (raw("chat/completions", json.dumps({"messages": [{"role": "user", "content": 7}]}
+                                            ).encode()), 400, "openai"),
     ]
     for response, status, wire in cases:
         assert response.status_code == status, response.text

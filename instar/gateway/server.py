@@ -116,10 +116,12 @@ class Gateway:
             if name == "top_k" and value == -1:
                 continue
             if value != run[name]:
+                fix = ("or change the run's --rollout.temperature" if name == "temperature"
+                       else "(instar samples from the full distribution)")
                 raise bad_request(
-                    f"{name}={value} differs from the run's {name}={run[name]}: instar trains "
-                    f"with one sampling setting per run; leave {name} unset or change the "
-                    f"run's --rollout.{name.replace('_', '-')}", "unsupported_value")
+                    f"{name}={value} differs from the run's {name}={run[name]}: the trainer "
+                    f"recomputes log-probs with the run's sampling; leave {name} unset {fix}",
+                    "unsupported_value")
 
     async def _handle(self, wire, sid: str, request: Request):
         self._check_key(request)
@@ -132,7 +134,12 @@ class Gateway:
             raise bad_request(f"malformed JSON body: {e}") from e
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
-        req = wire.parse(body)
+        try:
+            req = wire.parse(body)
+        except WireError:
+            raise
+        except Exception as e:  # a field of an unexpected type
+            raise bad_request(f"invalid request: {type(e).__name__}: {e}") from e
         self._check_sampling(req, session.sampling)
         async with self.locks.setdefault(sid, asyncio.Lock()):
             try:
