@@ -16,7 +16,7 @@ from instar.gateway.server import Gateway
 from instar.rollout.engine import launch
 from instar.rollout.router import Router
 from instar.rollout.runner import Rollouts
-from instar.sample import write_jsonl
+from instar.sample import one_per_rollout, write_jsonl
 from instar.tasks.tiny_model import builtin_model
 
 
@@ -81,7 +81,7 @@ def rollout(args: RolloutArgs) -> dict:
     runner.close()
     Path(args.out).unlink(missing_ok=True)
     write_jsonl(args.out, batch.samples)
-    episodes = {s.rollout_id: s for s in batch.samples}.values()
+    episodes = one_per_rollout(batch.samples)
     n = max(len(episodes), 1)
     summary = {"episodes": len(episodes), "segments": len(batch.samples),
                "mean_reward": sum(s.reward for s in episodes) / n,

@@ -43,7 +43,7 @@ from instar.agents.loading import load_agent, load_tasks
 from instar.config import Config
 from instar.rollout.engine import launch
 from instar.rollout.runner import Batch, Rollouts
-from instar.sample import Sample, write_jsonl
+from instar.sample import Sample, one_per_rollout, write_jsonl
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model, cache_root
 from instar.train.losses import ESTIMATORS
@@ -159,11 +159,11 @@ def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
 
 def to_sequences(samples: list[Sample], estimator: str) -> list[Sequence]:
     """Advantages per rollout (a rollout of several segments counts once), then per segment."""
-    rollouts = {s.rollout_id: s for s in samples}
-    groups = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in rollouts.values()))}
-    adv_B = ESTIMATORS[estimator](torch.tensor([s.reward for s in rollouts.values()]),
-                                  torch.tensor([groups[s.group_id] for s in rollouts.values()]))
-    adv = dict(zip(rollouts, adv_B.tolist()))
+    rollouts = one_per_rollout(samples)
+    groups = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in rollouts))}
+    adv_B = ESTIMATORS[estimator](torch.tensor([s.reward for s in rollouts]),
+                                  torch.tensor([groups[s.group_id] for s in rollouts]))
+    adv = dict(zip((s.rollout_id for s in rollouts), adv_B.tolist()))
     return [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs], adv[s.rollout_id])
             for s in samples]
 
@@ -224,7 +224,7 @@ def run(cfg: Config) -> dict:
 
     def evaluate(tag):
         samples = collect(rollouts.run(eval_tasks, 1, eval_sampling, tag)) if eval_tasks else []
-        return mean(s.reward for s in {x.rollout_id: x for x in samples}.values())
+        return mean(s.reward for s in one_per_rollout(samples))
 
     summary = {"eval_reward_before": evaluate("eval-before")}
     columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=16),
@@ -250,7 +250,7 @@ def run(cfg: Config) -> dict:
             probe_diff = max(verify_weights(trainer, e, probe, r.sync_check_tol) for e in engines)
             t3 = time.time()
             gen_tokens = sum(s.num_generated for s in samples)
-            episodes = {s.rollout_id: s for s in samples}.values()
+            episodes = one_per_rollout(samples)
             info_keys = {k for s in episodes for k, v in s.info.items()
                          if isinstance(v, int | float) and not isinstance(v, bool)}
             m = {"step": step, "rollout/reward": mean(s.reward for s in episodes),

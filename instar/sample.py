@@ -89,6 +89,11 @@ class Sample:
         return cls(**json.loads(line))
 
 
+def one_per_rollout(samples: list[Sample]) -> list[Sample]:
+    """The last segment of each rollout: for per-episode figures (reward, turns)."""
+    return list({s.rollout_id: s for s in samples}.values())
+
+
 def write_jsonl(path: str | Path, samples: list[Sample]) -> None:
     with open(path, "a") as f:
         f.writelines(s.to_json() + "\n" for s in samples)

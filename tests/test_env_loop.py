@@ -73,7 +73,8 @@ def test_agent_errors_and_timeouts_cost_one_rollout(engine, tokenizer):
     with pytest.raises(EpisodeError) as e:
         episode(engine, tokenizer, Hangs())
     assert e.value.reason == "timeout"
-    ray.get(engine.weights_digest.remote())  # the engine is still serving
+    gen = ray.get(engine.generate.remote([1, 2, 3], SAMPLING))  # the engine is still serving
+    assert gen.token_ids
 
 
 def test_turn_ending_without_end_of_turn_token_gets_one_before_the_observation(engine, tokenizer):

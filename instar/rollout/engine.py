@@ -27,7 +27,7 @@ class Generation:
 class Engine:
     """Ray actor (create with `ray.remote(Engine)`); one per engine."""
 
-    def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: float,
+    def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: int,
                  threads: int, seed: int, engine_id: int = 0):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -42,16 +42,20 @@ class Engine:
         self.llm = AsyncLLM.from_engine_args(args)
         self.version, self.engine_id = 0, engine_id
 
-    async def generate(self, prompt_ids: list[int], sampling: dict) -> Generation:
-        from vllm import SamplingParams, TokensPrompt
+    async def _final(self, prompt_ids: list[int], params):
+        """Run one request to completion; its last output."""
+        from vllm import TokensPrompt
 
-        params = SamplingParams(**sampling, logprobs=0)
-        version = self.version
-        final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
                                            request_id=uuid.uuid4().hex):
             final = out
-        o = final.outputs[0]
+        return final
+
+    async def generate(self, prompt_ids: list[int], sampling: dict) -> Generation:
+        from vllm import SamplingParams
+
+        version = self.version
+        o = (await self._final(prompt_ids, SamplingParams(**sampling, logprobs=0))).outputs[0]
         logprobs = [step[tok].logprob for tok, step in zip(o.token_ids, o.logprobs)]
         stop = o.stop_reason if isinstance(o.stop_reason, str) else None
         return Generation(list(o.token_ids), logprobs, version, o.finish_reason, o.text, stop,
@@ -59,12 +63,10 @@ class Engine:
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token given those before it (temperature 1; position 0 gets 0)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params,
-                                           request_id=uuid.uuid4().hex):
-            final = out
+        final = await self._final(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                            temperature=1.0))
         return [0.0] + [step[tok].logprob for tok, step in
                         zip(token_ids[1:], final.prompt_logprobs[1:])]
 
@@ -72,9 +74,6 @@ class Engine:
         await self.llm.collective_rpc("load_safetensors", args=(path,))
         await self.llm.reset_prefix_cache()
         self.version = version
-
-    async def weights_digest(self) -> str:
-        return (await self.llm.collective_rpc("weights_digest"))[0]
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -25,10 +25,6 @@ class Batch:
     errors: list[dict] = field(default_factory=list)
     """One record per failed rollout: rollout_id, reason, traceback."""
 
-    @property
-    def num_rollouts(self) -> int:
-        return len({s.rollout_id for s in self.samples})
-
 
 class Rollouts:
     """Holds the engine handle, the tokenizer and (for ChatAgents) a running gateway."""

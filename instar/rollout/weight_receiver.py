@@ -1,8 +1,5 @@
 """Runs inside vLLM's worker processes (`worker_extension_cls`): loads pushed weights in place."""
 
-import hashlib
-
-import torch
 from safetensors.torch import load_file
 
 
@@ -19,11 +16,3 @@ class WeightReceiver:
         if lm_head is not None and any(m is not lm_head and getattr(m, "weight", None) is lm_head.weight
                                        for m in model.modules()):
             lm_head.quant_method.process_weights_after_loading(lm_head)
-
-    def weights_digest(self) -> str:
-        """A checksum of every parameter, in the engine's own (possibly fused) layout."""
-        digest = hashlib.sha256()
-        for name, p in sorted(self.model_runner.model.named_parameters()):
-            digest.update(name.encode())
-            digest.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-        return digest.hexdigest()
