@@ -1,7 +1,7 @@
 """Run one `Env` episode against a token-in/token-out generate function; return a Sample.
 
     reset(task) -> messages --chat template--> prompt ids
-    loop:  generate(ids) -> sampled ids (+ log-probs, version)        loss_mask 1
+    loop:  generate(ids) -> sampled ids (+ log-probs, versions)        loss_mask 1
            step(Action)  -> Result(reward, observation)
            observation --chat template--> ids appended                 loss_mask 0
 
@@ -21,7 +21,7 @@ from instar.sample import Sample
 class Generated(Protocol):
     token_ids: list[int]
     logprobs: list[float]
-    version: int
+    versions: list[int]
     finish_reason: str
     text: str
 
@@ -35,6 +35,11 @@ class EpisodeError(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+class Requeue(Exception):
+    """A weight update stopped the episode (partial rollout off, or it became too stale):
+    it is started again from the beginning, not counted as a failure."""
 
 
 async def agent_call(coro):
@@ -61,7 +66,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         tokens += gen.token_ids
         mask += [True] * n
         logprobs += gen.logprobs
-        versions += [gen.version] * n
+        versions += gen.versions
         action = Action(gen.text, list(gen.token_ids), env.parse_tool_calls(gen.text))
         result = await agent_call(env.step(action))
         reward += result.reward

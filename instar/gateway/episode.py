@@ -3,7 +3,7 @@
 import asyncio
 
 from instar.agents.contract import ChatAgent, ChatContext, Task
-from instar.agents.env_loop import EpisodeError, agent_call
+from instar.agents.env_loop import EpisodeError, Requeue, agent_call
 from instar.gateway.server import Gateway
 from instar.sample import Sample
 
@@ -22,11 +22,13 @@ async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, sampl
         raise EpisodeError("timeout", f"episode ran over {agent.timeout_s}s") from e
     except EpisodeError:
         session = gateway.sessions.get(sid)
-        if session is None or session.truncated is None:
+        if session is None or (session.truncated is None and not session.requeued):
             raise
         reward, info = 0.0, {}  # the agent stopped at a limit the gateway enforced
     finally:
         session = gateway.close_session(sid)
+    if session.requeued:
+        raise Requeue(f"episode {rollout_id} was stopped by a weight update")
     samples = session.samples(reward, info)
     if not samples:
         raise EpisodeError("no_generation", "the agent returned without calling the model")

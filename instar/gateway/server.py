@@ -6,7 +6,7 @@
                                                  ▼
                                  Session.plan: extend the recorded tokens or start a segment
                                                  ▼
-                                 engine generate(token ids) -> ids, log-probs, version
+                                 engine generate(token ids) -> ids, log-probs, versions
                                                  ▼
                                  Session.record; wire.response / wire.stream
 
@@ -27,8 +27,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from instar.agents.env_loop import Requeue
 from instar.gateway.session import Session
 from instar.gateway.wire import AnthropicWire, OpenAIWire, WireError, bad_request, make_reply
+
+RESTARTED = "a weight update stopped this episode; instar restarts it from the beginning"
 
 
 class Gateway:
@@ -128,6 +131,8 @@ class Gateway:
         session = self.sessions.get(sid)
         if session is None:
             raise WireError(404, "not_found_error", "unknown session", "session_not_found")
+        if session.requeued:
+            raise bad_request(RESTARTED, "episode_restarted")
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -163,6 +168,9 @@ class Gateway:
                           **({"stop": req.stop} if req.stop else {})}
                 try:
                     gen = await self.generate(session.rollout_id, turn.prompt_ids, params)
+                except Requeue as e:
+                    session.requeued = True
+                    raise bad_request(RESTARTED, "episode_restarted") from e
                 except Exception as e:
                     raise WireError(503, "api_error", f"the engine failed: {e}") from e
                 reply = make_reply(gen, req.parse_tools, len(turn.prompt_ids))

@@ -28,12 +28,12 @@ class Segment:
     sealed_because: str = ""
 
     def extend(self, ids: list[int], logprobs: list[float] | None = None,
-               version: int | None = None) -> None:
+               versions: list[int] | None = None) -> None:
         generated = logprobs is not None
         self.tokens += ids
         self.loss_mask += [generated] * len(ids)
         self.logprobs += logprobs if generated else [None] * len(ids)
-        self.versions += [version if generated else None] * len(ids)
+        self.versions += versions if generated else [None] * len(ids)
 
 
 @dataclass
@@ -55,6 +55,8 @@ class Session:
         self.sampling, self.max_turns, self.max_tokens = sampling, max_turns, max_tokens
         self.truncated: str | None = None
         """The limit (max_turns or max_tokens) that refused a request, if one did."""
+        self.requeued = False
+        """A weight update stopped the episode; it will be restarted."""
         self.segments: list[Segment] = []
         self.history: list[Message] = []  # canonical messages up to the last reply
         self.tools: list[dict] | None = None
@@ -98,7 +100,7 @@ class Session:
             self.segments.append(Segment())
         seg = self.segments[-1]
         seg.extend(turn.prompt_ids[len(seg.tokens):])
-        seg.extend(list(gen.token_ids), list(gen.logprobs), gen.version)
+        seg.extend(list(gen.token_ids), list(gen.logprobs), list(gen.versions))
         self.history = [canonical(m) for m in messages] + [canonical(reply)]
         self.tools = tools
         self.ended_with_eos = gen.token_ids[-1:] == [self.tokenizer.eos_token_id]

@@ -2,11 +2,19 @@
 
 Every request is token ids in and token ids out, so the sampled text is never re-tokenised.
 Each result carries the behaviour log-prob of every generated token (after temperature)
-and the weight version that produced it. `load_weights` swaps in the trainer's weights
-without restarting the engine.
+and the weight version that produced it.
+
+`load_weights` swaps in the trainer's weights without restarting the engine. With partial
+rollout (the default) requests in flight are paused, kept, and resumed on the new weights
+(their KV cache is recomputed), so the tokens of one request may carry two versions, split
+at the token where the update happened. A request whose episode would become older than
+`max_staleness` versions is aborted instead (finish_reason "abort"); the caller restarts
+the episode. With `partial=False` every request in flight is aborted at an update.
 """
 
+import asyncio
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -15,22 +23,31 @@ from dataclasses import dataclass
 class Generation:
     token_ids: list[int]
     logprobs: list[float]
-    version: int
+    versions: list[int]
+    """The weight version that generated each token."""
     finish_reason: str
+    """"stop", "length", or "abort" (stopped at a weight update: restart the episode)."""
     text: str
     stop: str | None = None
     """The stop string that ended generation, if one did."""
     engine: int = 0
     """Which engine of the pool produced it."""
+    routed_experts: list | None = None
+    """MoE only, where the engine captures routing: [position][layer][top-k] expert ids for
+    the prompt and the generated tokens (None elsewhere)."""
 
 
 class Engine:
     """Ray actor (create with `ray.remote(Engine)`); one per engine."""
 
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: int,
-                 threads: int, seed: int, engine_id: int = 0):
+                 threads: int, seed: int, engine_id: int = 0, partial: bool = True,
+                 max_staleness: int = 0, capture_routing: bool = False,
+                 gpu_memory_utilization: float = 0.9):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        if capture_routing:  # vLLM returns routed experts from its V2 runner only (GPU)
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -38,28 +55,58 @@ class Engine:
             model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             logprobs_mode="processed_logprobs",  # after temperature: what sampled the token
             worker_extension_cls="instar.rollout.weight_receiver.WeightReceiver",
-            enable_prefix_caching=True)
+            enable_prefix_caching=True, enable_return_routed_experts=capture_routing,
+            gpu_memory_utilization=gpu_memory_utilization)
         self.llm = AsyncLLM.from_engine_args(args)
         self.version, self.engine_id = 0, engine_id
+        self.partial, self.max_staleness = partial, max_staleness
+        self.live: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+        """Requests in flight: id -> (oldest version of their episode, [(tokens generated
+        before an update, the version after it), ...])."""
+        self.window = dict(start=time.time(), tokens=0, prompt=0, cached=0, peak=0)
+        self.ready = asyncio.Event()  # cleared while weights are being loaded
+        self.ready.set()
 
-    async def _final(self, prompt_ids: list[int], params):
+    async def _final(self, prompt_ids: list[int], params, request_id: str | None = None):
         """Run one request to completion; its last output."""
         from vllm import TokensPrompt
 
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                           request_id=uuid.uuid4().hex):
+                                           request_id=request_id or uuid.uuid4().hex):
             final = out
         return final
 
-    async def generate(self, prompt_ids: list[int], sampling: dict) -> Generation:
+    async def generate(self, prompt_ids: list[int], sampling: dict,
+                       oldest: int | None = None) -> Generation:
+        """`oldest`: the version of the episode's first generated token, if it has one."""
         from vllm import SamplingParams
 
-        version = self.version
-        o = (await self._final(prompt_ids, SamplingParams(**sampling, logprobs=0))).outputs[0]
-        logprobs = [step[tok].logprob for tok, step in zip(o.token_ids, o.logprobs)]
+        await self.ready.wait()  # a request that arrives during an update waits for it
+        oldest = self.version if oldest is None else oldest
+        if self.version - oldest > self.max_staleness:  # the episode is already too old
+            return Generation([], [], [], "abort", "", engine=self.engine_id)
+        rid, start, updates = uuid.uuid4().hex, self.version, []
+        self.live[rid] = (oldest, updates)
+        self.window["peak"] = max(self.window["peak"], len(self.live))
+        try:
+            final = await self._final(prompt_ids, SamplingParams(**sampling, logprobs=0), rid)
+        finally:
+            del self.live[rid]
+        o = final.outputs[0]
+        versions, done = [], 0
+        for n, version in updates:  # tokens before each update carry the version before it
+            versions += [start] * (n - done)
+            start, done = version, n
+        versions += [start] * (len(o.token_ids) - done)
+        w = self.window
+        w["tokens"] += len(o.token_ids)
+        w["prompt"] += len(prompt_ids)
+        w["cached"] += final.num_cached_tokens or 0
         stop = o.stop_reason if isinstance(o.stop_reason, str) else None
-        return Generation(list(o.token_ids), logprobs, version, o.finish_reason, o.text, stop,
-                          self.engine_id)
+        routing = getattr(o, "routed_experts", None)
+        return Generation(list(o.token_ids), [s[t].logprob for t, s in zip(o.token_ids, o.logprobs)],
+                          versions, o.finish_reason, o.text, stop, self.engine_id,
+                          None if routing is None else routing.tolist())
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token given those before it (temperature 1; position 0 gets 0)."""
@@ -70,24 +117,54 @@ class Engine:
         return [0.0] + [step[tok].logprob for tok, step in
                         zip(token_ids[1:], final.prompt_logprobs[1:])]
 
+    def _generated_so_far(self, rid: str) -> int | None:
+        """Tokens the engine has returned for a request (exact once the engine is paused)."""
+        out = self.llm.output_processor
+        ids = out.external_req_ids.get(rid)
+        return out.request_states[ids[0]].detokenizer.num_output_tokens() if ids else None
+
     async def load_weights(self, path: str, version: int) -> None:
-        await self.llm.collective_rpc("load_safetensors", args=(path,))
-        await self.llm.reset_prefix_cache()
-        self.version = version
+        """Pause, load the weights in `path` as `version`, resume (see the module docstring)."""
+        self.ready.clear()
+        try:
+            await self.llm.pause_generation(mode="keep" if self.partial else "abort")
+            stale = []
+            for rid, (oldest, updates) in self.live.items():
+                if (n := self._generated_so_far(rid)) is not None:
+                    updates.append((n, version))
+                if version - oldest > self.max_staleness:
+                    stale.append(rid)
+            await self.llm.abort(stale)
+            # (pausing also emptied the KV and prefix caches: nothing computed with the old
+            # weights is reused)
+            await self.llm.collective_rpc("load_safetensors", args=(path,))
+            self.version = version
+            await self.llm.resume_generation()
+        finally:
+            self.ready.set()
+
+    def stats(self) -> dict[str, float]:
+        """Since the last call: peak requests in flight, generated tokens/s, prefix-cache
+        hit rate (prompt tokens served from the cache)."""
+        w, now = self.window, time.time()
+        self.window = dict(start=now, tokens=0, prompt=0, cached=0, peak=len(self.live))
+        return {"in_flight_peak": w["peak"], "tokens_per_s": w["tokens"] / (now - w["start"]),
+                "prefix_cache_hit_rate": w["cached"] / max(w["prompt"], 1)}
 
     def shutdown(self) -> None:
         self.llm.shutdown()
 
 
 def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_cache_gb: int,
-           threads: int, seed: int, count: int = 1) -> list:
+           threads: int, seed: int, count: int = 1, **options) -> list:
     """Start `count` Engines as Ray actors (Ray must be initialised); returns once they are
-    up, so start-up time never counts against an episode's timeout."""
+    up, so start-up time never counts against an episode's timeout. `options` go to Engine."""
     import ray
 
     actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(Engine)
     engines = [actor.remote(model_path, dtype=dtype, max_model_len=max_model_len,
-                            kv_cache_gb=kv_cache_gb, threads=threads, seed=seed + i, engine_id=i)
+                            kv_cache_gb=kv_cache_gb, threads=threads, seed=seed + i, engine_id=i,
+                            **options)
                for i in range(count)]
     ray.get([e.__ray_ready__.remote() for e in engines])
     return engines

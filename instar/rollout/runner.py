@@ -1,7 +1,8 @@
 """Run a user's agent (Env or ChatAgent) over tasks on an engine; collect Samples.
 
 A failing or hanging agent costs its rollout only: it is counted by reason, and its
-traceback kept, and the rest of the batch goes on.
+traceback kept, and the rest of the batch goes on. An episode stopped by a weight update
+(see `Engine.load_weights`) is restarted with a fresh agent, up to `MAX_RESTARTS` times.
 """
 
 import asyncio
@@ -10,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from instar.agents.contract import ChatAgent, Env, Task
-from instar.agents.env_loop import EpisodeError, run_env_episode
+from instar.agents.env_loop import EpisodeError, Requeue, run_env_episode
 from instar.gateway.episode import run_chat_episode
 from instar.gateway.server import Gateway
 from instar.rollout.router import Router
@@ -24,6 +25,11 @@ class Batch:
     """Failed rollouts by reason (agent_error, timeout, max_tokens, ...)."""
     errors: list[dict] = field(default_factory=list)
     """One record per failed rollout: rollout_id, reason, traceback."""
+    restarted: int = 0
+    """Episodes started again after a weight update stopped them."""
+
+
+MAX_RESTARTS = 3
 
 
 class Rollouts:
@@ -47,23 +53,33 @@ class Rollouts:
         agent.max_tokens = min(agent.max_tokens, self.max_model_len)  # what the engine takes
         return agent
 
-    async def _one(self, task: Task, sampling: dict, rollout_id: str, group_id: str,
-                   batch: Batch) -> None:
+    async def _episode(self, task: Task, sampling: dict, rollout_id: str,
+                       group_id: str) -> list[Sample]:
         agent = self._agent()
         try:
             if self.gateway is None:
                 generate = lambda ids, s: self.router.generate(rollout_id, ids, s)  # noqa: E731
-                batch.samples.append(await run_env_episode(
-                    agent, task, generate, self.tokenizer, sampling, rollout_id, group_id))
-            else:
-                batch.samples += await run_chat_episode(agent, task, self.gateway, sampling,
-                                                        rollout_id, group_id)
+                return [await run_env_episode(agent, task, generate, self.tokenizer, sampling,
+                                              rollout_id, group_id)]
+            return await run_chat_episode(agent, task, self.gateway, sampling, rollout_id,
+                                          group_id)
+        finally:
+            self.router.release(rollout_id)
+
+    async def _one(self, task: Task, sampling: dict, rollout_id: str, group_id: str,
+                   batch: Batch) -> None:
+        try:
+            for _ in range(MAX_RESTARTS + 1):
+                try:
+                    batch.samples += await self._episode(task, sampling, rollout_id, group_id)
+                    return
+                except Requeue:
+                    batch.restarted += 1
+            raise EpisodeError("restarts", f"stopped by weight updates {MAX_RESTARTS + 1} times")
         except EpisodeError as e:
             batch.failed[e.reason] += 1
             batch.errors.append({"rollout_id": rollout_id, "reason": e.reason,
                                  "traceback": "".join(traceback.format_exception(e))})
-        finally:
-            self.router.release(rollout_id)
 
     def run(self, tasks: list[Task], n: int, sampling: dict, tag: str) -> Batch:
         """`n` episodes of each task; rollouts of one task share a group id."""

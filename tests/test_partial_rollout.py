@@ -1,0 +1,127 @@
+"""Weight updates in the middle of generation, on real engines: paused requests resume on
+the new weights with their tokens stamped by version, split at the exact token; requests
+that would become too stale, or every request when partial rollout is off, are aborted and
+their episodes restarted."""
+
+import threading
+import time
+
+import openai
+import pytest
+import ray
+
+from instar import ChatAgent, Result, Task
+from instar.rollout.engine import launch
+from instar.rollout.runner import Rollouts
+from instar.tasks.reverse import Reverse
+from instar.tasks.tiny_model import builtin_model
+
+LONG = {"temperature": 1.0, "max_tokens": 600, "ignore_eos": True}
+LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def partial_engine(ray_session, tiny_model):
+    (engine,) = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=LEN,
+                       kv_cache_gb=1, threads=1, seed=0, partial=True, max_staleness=1)
+    yield engine
+    ray.get(engine.shutdown.remote())
+
+
+@pytest.fixture(scope="module")
+def restart_engine(ray_session, tiny_model):
+    (engine,) = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=LEN,
+                       kv_cache_gb=1, threads=1, seed=0, partial=False)
+    yield engine
+    ray.get(engine.shutdown.remote())
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model):
+    """Two different weight files of the same shapes: A (the engines' start) and B."""
+    return (str(tiny_model / "model.safetensors"),
+            str(builtin_model("dense", "tiny", 1) / "model.safetensors"))
+
+
+def prompt(tokenizer):
+    return tokenizer.encode("<|im_start|>user\nReverse: abc<|im_end|>\n<|im_start|>assistant\n")
+
+
+def update_during(engine, request, path: str, version: int, after_s: float = 1.0):
+    """Start `request` (a Ray ref factory), load weights `after_s` later, return its result."""
+    ref = request()
+    time.sleep(after_s)
+    ray.get(engine.load_weights.remote(path, version))
+    return ray.get(ref)
+
+
+def test_paused_request_resumes_on_new_weights_split_at_the_exact_token(
+        partial_engine, tokenizer, weights):
+    a, b = weights
+    ids = prompt(tokenizer)
+    gen = update_during(partial_engine, lambda: partial_engine.generate.remote(ids, LONG), b, 1)
+    assert gen.finish_reason == "length" and len(gen.token_ids) == LONG["max_tokens"]
+    k = gen.versions.index(1)
+    assert 0 < k and gen.versions == [0] * k + [1] * (len(gen.token_ids) - k)
+
+    # Score the whole sequence under B (loaded now), then under A: the tokens before the
+    # split are A's log-probs, the ones after it B's, to float precision.
+    full = ids + gen.token_ids
+    under_b = ray.get(partial_engine.prompt_logprobs.remote(full))[len(ids):]
+    ray.get(partial_engine.load_weights.remote(a, 2))
+    under_a = ray.get(partial_engine.prompt_logprobs.remote(full))[len(ids):]
+    diff = lambda ref, span: max(abs(gen.logprobs[i] - ref[i]) for i in span)  # noqa: E731
+    assert diff(under_a, range(k)) < 1e-4
+    assert diff(under_b, range(k, len(full) - len(ids))) < 1e-4
+    # the boundary token itself tells the two weight sets apart
+    assert abs(gen.logprobs[k - 1] - under_b[k - 1]) + abs(gen.logprobs[k] - under_a[k]) > 1e-3
+
+
+def test_requests_that_would_exceed_max_staleness_are_aborted(partial_engine, tokenizer, weights):
+    a, _ = weights
+    ids, version = prompt(tokenizer), 10
+    ray.get(partial_engine.load_weights.remote(a, version))
+    # an episode whose first token is one version old may go on (max_staleness=1) ...
+    ok = ray.get(partial_engine.generate.remote(ids, {**LONG, "max_tokens": 4}, version - 1))
+    assert ok.finish_reason == "length" and ok.versions == [version] * 4
+    # ... but not past the next update: aborted at it, with its tokens so far
+    gen = update_during(partial_engine,
+                        lambda: partial_engine.generate.remote(ids, LONG, version - 1),
+                        a, version + 1)
+    assert gen.finish_reason == "abort" and len(gen.token_ids) < LONG["max_tokens"]
+    # and an episode already two versions old is not admitted at all
+    late = ray.get(partial_engine.generate.remote(ids, LONG, version - 1))
+    assert late.finish_reason == "abort" and late.token_ids == []
+
+
+class LongChat(ChatAgent):
+    """Talks to the model through the OpenAI SDK; its request runs across a weight update."""
+
+    async def run(self, ctx):
+        client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key)
+        await client.chat.completions.create(model=ctx.model, messages=[
+            {"role": "user", "content": ctx.task.prompt}])
+        return Result(reward=1.0)
+
+
+@pytest.mark.parametrize("agent_cls", [Reverse, LongChat])
+def test_without_partial_rollout_episodes_in_flight_restart_on_the_new_weights(
+        restart_engine, tokenizer, weights, agent_cls):
+    a, _ = weights
+    rollouts = Rollouts(agent_cls, {}, [restart_engine], tokenizer, model_name="tiny",
+                        max_model_len=LEN, limits={"timeout_s": 120.0})
+    tasks = [Task(prompt="Reverse: abc", label="cba", id=str(i)) for i in range(2)]
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(
+        batch=rollouts.run(tasks, 2, LONG, "t")))
+    try:
+        worker.start()
+        time.sleep(1.5)
+        ray.get(restart_engine.load_weights.remote(a, 7))
+        worker.join()
+    finally:
+        rollouts.close()
+    batch = out["batch"]
+    assert not batch.failed and batch.restarted == 4 and len(batch.samples) == 4
+    for s in batch.samples:  # every kept token is from the new weights
+        assert {v for v in s.versions if v is not None} == {7}
