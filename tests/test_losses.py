@@ -1,15 +1,30 @@
 import math
 
+import pytest
 import torch
 
-from instar.train.losses import grpo_advantages, pg_clip_loss, sft_loss, token_logprobs
+from instar.train.losses import (
+    ESTIMATORS,
+    cispo_loss,
+    gspo_loss,
+    importance_weights,
+    kl_BT,
+    mismatch_metrics,
+    pg_clip_loss,
+    ppo_clip_loss,
+    seq_mean,
+    sft_loss,
+    token_logprobs,
+    token_mean,
+    value_loss,
+)
 from instar.train.worker import Sequence, shard
 
 
-def test_grpo_advantages_hand_computed():
+def test_loops_grpo_shim_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 4.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
-    adv = grpo_advantages(rewards, groups, eps=0.0 + 1e-6)
+    adv = ESTIMATORS["grpo"](rewards, groups)
     # group 0: mean 0.5, std 0.5 -> +1, -1; group 1: equal rewards -> 0; group 2: mean 3, std 1
     expected = torch.tensor([1.0, -1.0, 0.0, 0.0, -1.0, 1.0])
     assert torch.allclose(adv, expected, atol=1e-5)
@@ -55,3 +70,133 @@ def test_shard_gives_every_rank_the_same_number_of_micro_batches():
     assert [len(p) for p in parts] == [2, 2]
     assert [[s.tokens[0] for s in mb] for mb in parts[0]] == [[0, 2], [4]]
     assert [[s.tokens[0] for s in mb] for mb in parts[1]] == [[1, 3], []]
+
+
+def test_aggregations():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    assert token_mean(loss, mask, num_tokens=3).item() == (1 + 2 + 6) / 3
+    # per sequence: (1 + 2) / 2, 6 / 1, and 0 for the sequence without loss tokens
+    assert seq_mean(loss, mask, num_seqs=3).item() == (1.5 + 6.0 + 0.0) / 3
+
+
+def test_ppo_dual_clip_bounds_the_loss_of_negative_advantages():
+    # ratios 5, 5, 1 (old = 0); clip 0.2 band [0.8, 1.2]; dual clip c = 3
+    logp = torch.tensor([[math.log(5), math.log(5), 0.0]], requires_grad=True)
+    adv = torch.tensor([[-1.0, 1.0, -1.0]])
+    loss, clipped = ppo_clip_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), 0.2, 0.2,
+                                  dual_clip=3.0)
+    # A=-1, r=5: PPO gives -min(-5, -1.2) = 5, dual clip min(5, 3) = 3 (constant, no gradient)
+    # A=+1, r=5: -min(5, 1.2) = -1.2 (dual clip does not apply)
+    # A=-1, r=1: -min(-1, -1) = 1 < 3
+    assert torch.allclose(loss, torch.tensor([[3.0, -1.2, 1.0]]))
+    assert clipped.tolist() == [[True, True, False]]
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.0, 1.0]]))  # d(-rA)/dlogp = -rA
+    plain, _ = ppo_clip_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), 0.2, 0.2)
+    assert math.isclose(plain[0, 0].item(), 5.0, rel_tol=1e-6)
+
+
+def test_gspo_matches_the_sequence_level_formula_in_value_and_gradient():
+    mask = torch.tensor([[0.0, 1, 1], [0, 1, 0]])
+    old = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, -1.0]])
+    delta = torch.tensor([[0.0, 0.2, 0.4], [0.0, -0.6, 99.0]])  # 99 is off the mask
+    adv_B = torch.tensor([1.0, -1.0])
+    logp = (old + delta).requires_grad_()
+    loss_BT, clipped = gspo_loss(logp, old, adv_B[:, None].expand(2, 3), mask, 0.5, 0.5)
+    loss = seq_mean(loss_BT, mask, num_seqs=2)
+    loss.backward()
+    ours = logp.grad.clone()
+    # direct: s_i = exp(mean log-ratio over loss tokens) = exp(0.3), exp(-0.6), both in [0.5, 1.5]
+    logp.grad = None
+    s0 = torch.exp((logp[0, 1] - old[0, 1] + logp[0, 2] - old[0, 2]) / 2)
+    s1 = torch.exp(logp[1, 1] - old[1, 1])
+    direct = (-s0 * 1.0 + s1 * 1.0) / 2
+    direct.backward()
+    assert math.isclose(loss.item(), (-math.exp(0.3) + math.exp(-0.6)) / 2, rel_tol=1e-6)
+    assert math.isclose(loss.item(), direct.item(), rel_tol=1e-6)
+    assert torch.allclose(ours, logp.grad)
+    assert not clipped.any()
+
+
+def test_gspo_clips_the_whole_sequence():
+    mask, old = torch.ones(1, 2), torch.zeros(1, 2)
+    logp = torch.tensor([[0.2, 0.4]], requires_grad=True)  # s = exp(0.3) = 1.35 > 1.2
+    loss_BT, clipped = gspo_loss(logp, old, torch.ones(1, 2), mask, 0.2, 0.2)
+    seq_mean(loss_BT, mask, 1).backward()
+    assert torch.allclose(loss_BT, torch.tensor([[-1.2, -1.2]]))
+    assert clipped.all() and torch.equal(logp.grad, torch.zeros(1, 2))
+
+
+def test_cispo_gradient_flows_only_through_logp():
+    # ratios 2, 0.5, 1.1; band [0.8, 1.2] gives weights 1.2, 0.8, 1.1
+    logp = torch.tensor([[math.log(2), math.log(0.5), math.log(1.1)]], requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0, 1.0]])
+    loss_BT, clipped = cispo_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), 0.2, 0.2)
+    # loss_t = -w A logp: -1.2 * ln 2, -0.8 * -2 * ln 0.5, -1.1 * ln 1.1
+    assert torch.allclose(loss_BT, torch.tensor([[-0.831777, -1.109035, -0.104841]]), atol=1e-5)
+    loss_BT.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.2, 1.6, -1.1]]))  # -w A, nothing from w
+    assert clipped.tolist() == [[True, True, False]]
+
+
+def test_gspo_token_form_keeps_per_token_advantages():
+    mask = torch.ones(1, 2)
+    logp = torch.tensor([[0.1, -0.1]], requires_grad=True)  # s = exp(0) = 1
+    loss_BT, _ = gspo_loss(logp, torch.zeros(1, 2), torch.tensor([[1.0, 3.0]]), mask, 0.2, 0.2)
+    seq_mean(loss_BT, mask, 1).backward()
+    # grad_t = -s A_t / 2 (a sequence ratio with gradient would give -s (1 + 3) / 4 to both)
+    assert torch.allclose(logp.grad, torch.tensor([[-0.5, -1.5]]))
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    # d = ln(0.25 / 0.5) = -ln 2 = -0.693147
+    assert math.isclose(kl_BT(logp, ref, "k1").item(), 0.693147, rel_tol=1e-5)
+    assert math.isclose(kl_BT(logp, ref, "k2").item(), 0.240227, rel_tol=1e-5)  # (ln 2)^2 / 2
+    assert math.isclose(kl_BT(logp, ref, "k3").item(), 0.193147, rel_tol=1e-5)  # .5 + ln2 - 1
+
+
+# Log-ratios old - behaviour; loss tokens t=1,2 (the 5 is off the mask).
+# token weights: [2, 2], [4, 1/16]; sequence: 4, 1/4; geometric: 2, 1/2. Band [0.4, 3].
+IS_MASK = torch.tensor([[0.0, 1, 1], [0, 1, 1]])
+IS_LOG_RATIO = torch.tensor([[5.0, math.log(2), math.log(2)], [0, math.log(4), -math.log(16)]])
+IS_CASES = [  # level, mode, weights on the loss tokens, changed tokens out of 4
+    ("token", "mask", [[2, 2], [0, 0]], 2),
+    ("token", "clip", [[2, 2], [3, 0.4]], 2),
+    ("token", "truncate", [[2, 2], [3, 1 / 16]], 1),
+    ("sequence", "mask", [[0, 0], [0, 0]], 4),
+    ("sequence", "clip", [[3, 3], [0.4, 0.4]], 4),
+    ("sequence", "truncate", [[3, 3], [0.25, 0.25]], 2),
+    ("geometric", "mask", [[2, 2], [0.5, 0.5]], 0),
+    ("geometric", "clip", [[2, 2], [0.5, 0.5]], 0),
+]
+
+
+@pytest.mark.parametrize("level,mode,expected,changed", IS_CASES)
+def test_importance_weights_levels_and_modes(level, mode, expected, changed):
+    behaviour = torch.tensor([[0.0, -1.0, -2.0], [0.0, -3.0, -0.5]])
+    w_BT, filtered = importance_weights(behaviour + IS_LOG_RATIO, behaviour, IS_MASK, level,
+                                        mode, 0.4, 3.0, num_tokens=4)
+    assert torch.allclose(w_BT[:, 1:], torch.tensor(expected, dtype=torch.float), atol=1e-5)
+    assert filtered == changed / 4
+
+
+def test_mismatch_metrics():
+    logp, behaviour = torch.tensor([[0.0, -1.0, -2.0]]), torch.tensor([[9.0, -1.5, -1.0]])
+    out = mismatch_metrics(logp, behaviour, torch.tensor([[0.0, 1, 1]]), num_tokens=2)
+    # |diff| = 0.5, 1; k3 with d = logp - behaviour = 0.5, -1:
+    # e^0.5 - 1.5 = 0.148721, e^-1 + 1 - 1 = 0.367879
+    assert math.isclose(out["abs_logprob_diff"], 1.5 / 2, rel_tol=1e-6)
+    assert math.isclose(out["k3"], (0.148721 + 0.367879) / 2, rel_tol=1e-5)
+
+
+def test_value_loss_is_clipped_around_the_old_values():
+    values = torch.tensor([[1.0, 3.0, 0.0]], requires_grad=True)
+    old, returns = torch.zeros(1, 3), torch.tensor([[2.0, 0.0, -2.0]])
+    loss = value_loss(values, old, returns, clip=0.5)
+    # t0: max((1-2)^2, (0.5-2)^2) / 2 = 1.125 (clipped branch: no gradient)
+    # t1: max((3-0)^2, (0.5-0)^2) / 2 = 4.5; t2: V inside the band: (0+2)^2 / 2 = 2
+    assert loss.tolist() == [[1.125, 4.5, 2.0]]
+    loss.sum().backward()
+    assert values.grad.tolist() == [[0.0, 3.0, 2.0]]

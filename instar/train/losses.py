@@ -1,10 +1,16 @@
-"""Advantages and losses: small pure functions over tensors.
+"""Losses: small pure functions over tensors.
 
 Shapes in names: _B per sequence, _BT per token (B sequences, T positions).
+
+A policy loss (`POLICY_LOSSES`) maps log-probs and per-token advantages to a per-token loss
+`loss_BT` (and where its clip was active); an aggregation (`AGGREGATIONS`) reduces it to the
+step's scalar. Off-policy weights from `importance_weights` multiply `loss_BT` first.
 """
 
 import torch
 import torch.nn.functional as F
+
+from instar.train.advantages import AdvantageInputs, grpo
 
 
 def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor,
@@ -18,35 +24,97 @@ def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor,
     return F.pad(picked_BT, (1, 0))
 
 
-def grpo_advantages(rewards_B: torch.Tensor, group_B: torch.Tensor,
-                    eps: float = 1e-6) -> torch.Tensor:
-    """(r - mean of the group) / (std of the group + eps), one group id per rollout."""
-    adv_B = torch.empty_like(rewards_B)
-    for g in group_B.unique():
-        r = rewards_B[group_B == g]
-        std = r.std(unbiased=False) if len(r) > 1 else torch.zeros(())
-        adv_B[group_B == g] = (r - r.mean()) / (std + eps)
-    return adv_B
+def token_mean(loss_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """sum over loss tokens of loss_t, / `num_tokens` (the loss tokens of the whole step)."""
+    return (loss_BT * mask_BT).sum() / num_tokens
+
+
+def seq_mean(loss_BT: torch.Tensor, mask_BT: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """sum over sequences of (mean of loss_t over the sequence's loss tokens), / `num_seqs`
+    (the sequences of the whole step). A sequence without loss tokens adds 0."""
+    per_seq_B = (loss_BT * mask_BT).sum(1) / mask_BT.sum(1).clamp(min=1)
+    return per_seq_B.sum() / num_seqs
+
+
+AGGREGATIONS = {"token": token_mean, "sequence": seq_mean}
+"""Loss aggregation by name: (loss_BT, mask_BT, step-wide count of tokens or sequences)."""
+
+
+def ppo_clip_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor,
+                  adv_BT: torch.Tensor, mask_BT: torch.Tensor, clip_low: float,
+                  clip_high: float, dual_clip: float | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clip, per token, with r_t = exp(logp_t - old_t):
+
+        loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
+
+    Dual clip (Ye et al. 2020), with dual_clip = c > 1, for A_t < 0 only:
+    loss_t = min(loss_t, -c A_t), so a huge ratio cannot blow up the loss (nor its gradient).
+    Returns (loss_BT, clipped_BT: r_t outside the band).
+    """
+    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
+    clipped_BT = ratio_BT.clamp(1 - clip_low, 1 + clip_high)
+    loss_BT = -torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
+    if dual_clip is not None:
+        loss_BT = torch.where(adv_BT < 0, torch.minimum(loss_BT, -dual_clip * adv_BT), loss_BT)
+    return loss_BT, ratio_BT != clipped_BT
+
+
+def gspo_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, adv_BT: torch.Tensor,
+              mask_BT: torch.Tensor, clip_low: float, clip_high: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025), in its per-token form. The sequence ratio is length-normalised,
+    s = exp(mean over the sequence's loss tokens of (logp_t - old_t)), and
+
+        s_t = sg(s) * exp(logp_t - sg(logp_t))      (value s, gradient s * grad logp_t)
+        loss_t = -min(s_t A_t, clip(s_t, 1 - clip_low, 1 + clip_high) A_t)
+
+    With one advantage per sequence and `seq_mean` this is GSPO's sequence loss exactly.
+    Returns (loss_BT, clipped_BT: s outside the band, on all of the sequence's tokens).
+    """
+    log_s_B = ((logprobs_BT - old_logprobs_BT) * mask_BT).sum(1) / mask_BT.sum(1).clamp(min=1)
+    s_BT = torch.exp(log_s_B.detach()[:, None] + logprobs_BT - logprobs_BT.detach())
+    clipped_BT = s_BT.clamp(1 - clip_low, 1 + clip_high)
+    return -torch.minimum(s_BT * adv_BT, clipped_BT * adv_BT), s_BT != clipped_BT
+
+
+def cispo_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, adv_BT: torch.Tensor,
+               mask_BT: torch.Tensor, clip_low: float, clip_high: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, 2025): a clipped importance weight without gradient times logp,
+
+        loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * logp_t
+
+    so every token keeps the gradient -w_t A_t grad logp_t, however far r_t strays.
+    clip_low = 1 leaves the weight unbounded below, as MiniMax-M1 does.
+    Returns (loss_BT, clipped_BT: r_t outside the band).
+    """
+    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT).detach()
+    weight_BT = ratio_BT.clamp(1 - clip_low, 1 + clip_high)
+    return -weight_BT * adv_BT * logprobs_BT, ratio_BT != weight_BT
+
+
+POLICY_LOSSES = {"ppo": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+"""Policy losses by name: (logprobs_BT, old_logprobs_BT, adv_BT, mask_BT, clip_low, clip_high)
+-> (loss_BT, clipped_BT)."""
 
 
 def pg_clip_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, adv_B: torch.Tensor,
                  mask_BT: torch.Tensor, clip_low: float, clip_high: float,
                  num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip policy-gradient loss, summed over tokens and divided by `num_tokens`.
+    """PPO-clip loss with one advantage per sequence, summed over tokens / `num_tokens`.
 
     `num_tokens` counts the loss tokens of the whole step on all ranks, so the loss is a
     global token mean however the batch is split into ranks and micro-batches.
     """
-    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
-    adv_BT = adv_B[:, None].expand_as(ratio_BT)
-    clipped_BT = ratio_BT.clamp(1 - clip_low, 1 + clip_high)
-    loss_BT = -torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
-    loss = (loss_BT * mask_BT).sum() / num_tokens
+    loss_BT, clipped_BT = ppo_clip_loss(logprobs_BT, old_logprobs_BT,
+                                        adv_B[:, None].expand_as(logprobs_BT), mask_BT,
+                                        clip_low, clip_high)
     with torch.no_grad():
         m = mask_BT.bool()
-        stats = {"clip_frac": ((ratio_BT != clipped_BT) & m).sum().item(),
+        stats = {"clip_frac": (clipped_BT & m).sum().item(),
                  "abs_logprob_diff": (logprobs_BT - old_logprobs_BT).abs()[m].sum().item()}
-    return loss, stats
+    return token_mean(loss_BT, mask_BT, num_tokens), stats
 
 
 def sft_loss(logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
@@ -55,5 +123,64 @@ def sft_loss(logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
     return -(logprobs_BT * mask_BT).sum() / num_tokens, {}
 
 
-# Advantage estimators by name (--algo.estimator): (rewards_B, group_B) -> adv_B.
-ESTIMATORS = {"grpo": grpo_advantages}
+def kl_BT(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(p || q) on tokens sampled from p (p: `logprobs_BT`, q: the
+    reference), with d = log q - log p (Schulman's estimators):
+
+        k1 = -d,   k2 = d^2 / 2,   k3 = exp(d) - d - 1
+
+    As a loss term: `token_mean(beta * kl_BT, ...)`; in the reward: subtract beta * kl_BT from
+    the per-token rewards.
+    """
+    d_BT = ref_logprobs_BT - logprobs_BT
+    return {"k1": -d_BT, "k2": d_BT**2 / 2, "k3": d_BT.exp() - d_BT - 1}[kind]
+
+
+def importance_weights(old_logprobs_BT: torch.Tensor, behaviour_logprobs_BT: torch.Tensor,
+                       mask_BT: torch.Tensor, level: str, mode: str, low: float, high: float,
+                       num_tokens: int) -> tuple[torch.Tensor, float]:
+    """Off-policy correction w = pi_old / mu: trainer log-probs before the update (old) over
+    the engine's behaviour log-probs (mu), with l_t = old_t - mu_t on the loss tokens:
+
+        token: w_t = exp(l_t);  sequence: w_t = exp(sum_s l_s);  geometric: w_t = exp(mean_s l_s)
+
+    (sum and mean over the sequence's loss tokens). Outside the band [low, high]:
+    `mask` sets w = 0 (drops the token, or the whole sequence); `clip` clamps w into
+    [low, high]; `truncate` only caps w at high (truncated IS; `low` unused).
+    Returns w_BT, to multiply the per-token loss by, and the number of loss tokens whose
+    weight was changed / `num_tokens` (the filtered fraction of the step).
+    """
+    log_w_BT = (old_logprobs_BT - behaviour_logprobs_BT) * mask_BT
+    sum_B1, n_B1 = log_w_BT.sum(1, keepdim=True), mask_BT.sum(1, keepdim=True).clamp(min=1)
+    log_w = {"token": log_w_BT, "sequence": sum_B1, "geometric": sum_B1 / n_B1}[level]
+    w_BT = log_w.exp().expand_as(log_w_BT)
+    out_BT = {"mask": torch.where((w_BT >= low) & (w_BT <= high), w_BT, 0.0),
+              "clip": w_BT.clamp(low, high), "truncate": w_BT.clamp(max=high)}[mode]
+    filtered = ((out_BT != w_BT) & mask_BT.bool()).sum().item() / num_tokens
+    return out_BT, filtered
+
+
+def mismatch_metrics(logprobs_BT: torch.Tensor, behaviour_logprobs_BT: torch.Tensor,
+                     mask_BT: torch.Tensor, num_tokens: int) -> dict[str, float]:
+    """Trainer-vs-engine mismatch over the loss tokens, each summed / `num_tokens`:
+    |logp_t - mu_t| and k3 = KL(mu || pi) estimated on the engine's samples."""
+    m = mask_BT.bool()
+    diff = (logprobs_BT - behaviour_logprobs_BT).abs()[m].sum()
+    k3 = kl_BT(behaviour_logprobs_BT, logprobs_BT, "k3")[m].sum()
+    return {"abs_logprob_diff": diff.item() / num_tokens, "k3": k3.item() / num_tokens}
+
+
+def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,
+               clip: float) -> torch.Tensor:
+    """PPO's clipped value loss per token (reduce it with `token_mean`):
+
+        loss_t = max((V_t - R_t)^2, (V_old_t + clamp(V_t - V_old_t, -clip, clip) - R_t)^2) / 2
+    """
+    clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip)
+    return torch.maximum((values_BT - returns_BT) ** 2, (clipped_BT - returns_BT) ** 2) / 2
+
+
+# loop.py still imports ESTIMATORS from here and calls it as (rewards_B, group_B) -> adv_B;
+# this shim keeps that working until loop.py uses instar.train.advantages.ESTIMATORS.
+ESTIMATORS = {"grpo": lambda rewards_B, group_B: grpo(
+    AdvantageInputs(rewards_B, group_B, torch.ones(len(rewards_B), 1)))[:, 0]}

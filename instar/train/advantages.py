@@ -1,0 +1,159 @@
+"""Advantage estimators: one function per estimator, selected by name from `ESTIMATORS`.
+
+Every estimator has the signature `fn(x: AdvantageInputs) -> adv_BT` and returns per-token
+advantages, zero outside `x.mask_BT`. One row per rollout: a rollout of several segments
+counts once in its group's baseline. Add an estimator by decorating a function with
+`@estimator("name")`.
+
+Return-based estimators (reinforce, reinforce_baseline, rloo, grpo, dr_grpo) use the return
+G_t of `returns_BT`: the rollout's reward on every loss token, or, when per-turn rewards are
+given, the reward-to-go from token t. Their baselines come from the rollout rewards `rewards_B`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+EPS = 1e-6
+"""Added to the group std in `grpo`, so a group of equal rewards gets advantage 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdvantageInputs:
+    """What the estimators read; B rollouts, T token positions. Example: 4 rollouts of 2 tasks,
+    `rewards_B=[1., 0., 0., 0.]`, `group_B=[0, 0, 1, 1]`, `mask_BT` of shape (4, T)."""
+
+    rewards_B: torch.Tensor
+    """Scalar reward of each rollout (the sum of its per-turn rewards where those are given)."""
+    group_B: torch.Tensor
+    """Integer group id of each rollout (rollouts of the same task share one)."""
+    mask_BT: torch.Tensor
+    """1 on loss (generated) tokens, 0 elsewhere (prompt, observations, padding)."""
+    token_rewards_BT: torch.Tensor | None = None
+    """Per-turn rewards, each on the last token of its turn, 0 elsewhere."""
+    values_BT: torch.Tensor | None = None
+    """Critic values V(s_t) at each token (`gae` only)."""
+    logprobs_BT: torch.Tensor | None = None
+    """Student (policy) log-probs of the sampled tokens (`on_policy_distill` only)."""
+    teacher_logprobs_BT: torch.Tensor | None = None
+    """Teacher log-probs of the same tokens (`on_policy_distill` only)."""
+    gamma: float = 1.0
+    """Discount per loss token (`gae` only)."""
+    lam: float = 1.0
+    """GAE's lambda (`gae` only)."""
+
+
+Estimator = Callable[[AdvantageInputs], torch.Tensor]
+ESTIMATORS: dict[str, Estimator] = {}
+"""Advantage estimators by name (--algo.estimator)."""
+
+
+def estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """Register the decorated function in `ESTIMATORS` under `name`."""
+    def register(fn: Estimator) -> Estimator:
+        ESTIMATORS[name] = fn
+        return fn
+    return register
+
+
+def rewards_BT(x: AdvantageInputs) -> torch.Tensor:
+    """The per-turn rewards if given, else the rollout's reward on its last loss token."""
+    if x.token_rewards_BT is not None:
+        return x.token_rewards_BT
+    mask_BT = x.mask_BT.bool()
+    last_BT = mask_BT & (mask_BT.flip(1).cumsum(1).flip(1) == 1)
+    return x.rewards_B[:, None] * last_BT
+
+
+def returns_BT(x: AdvantageInputs) -> torch.Tensor:
+    """G_t = sum of `rewards_BT` at or after token t (undiscounted reward-to-go): without
+    per-turn rewards, the rollout's reward on every loss token. Zero outside the mask."""
+    return rewards_BT(x).flip(1).cumsum(1).flip(1) * x.mask_BT
+
+
+def group_stats(values_B: torch.Tensor,
+                group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per rollout: size n, mean and population std of the values in its group."""
+    same_BB = (group_B[:, None] == group_B[None, :]).to(values_B.dtype)
+    n_B = same_BB.sum(1)
+    mean_B = same_BB @ values_B / n_B
+    std_B = (same_BB @ (values_B - mean_B) ** 2 / n_B).sqrt()
+    return n_B, mean_B, std_B
+
+
+@estimator("reinforce")
+def reinforce(x: AdvantageInputs) -> torch.Tensor:
+    """A_t = G_t."""
+    return returns_BT(x)
+
+
+@estimator("reinforce_baseline")
+def reinforce_baseline(x: AdvantageInputs) -> torch.Tensor:
+    """A_t = G_t - mean of the rewards over the whole batch."""
+    return (returns_BT(x) - x.rewards_B.mean()) * x.mask_BT
+
+
+@estimator("rloo")
+def rloo(x: AdvantageInputs) -> torch.Tensor:
+    """A_t = G_t - (sum of the group's rewards - r_i) / (n - 1): the mean of the others.
+
+    A rollout alone in its group has no others; its baseline is its own reward.
+    """
+    n_B, mean_B, _ = group_stats(x.rewards_B, x.group_B)
+    others_B = (n_B * mean_B - x.rewards_B) / (n_B - 1)
+    baseline_B = torch.where(n_B > 1, others_B, x.rewards_B)
+    return (returns_BT(x) - baseline_B[:, None]) * x.mask_BT
+
+
+@estimator("grpo")
+def grpo(x: AdvantageInputs) -> torch.Tensor:
+    """A_t = (G_t - group mean) / (group std + EPS), std without Bessel's correction."""
+    _, mean_B, std_B = group_stats(x.rewards_B, x.group_B)
+    return (returns_BT(x) - mean_B[:, None]) / (std_B[:, None] + EPS) * x.mask_BT
+
+
+@estimator("dr_grpo")
+def dr_grpo(x: AdvantageInputs) -> torch.Tensor:
+    """A_t = G_t - group mean (Dr. GRPO: no division by the std)."""
+    _, mean_B, _ = group_stats(x.rewards_B, x.group_B)
+    return (returns_BT(x) - mean_B[:, None]) * x.mask_BT
+
+
+@estimator("gae")
+def gae(x: AdvantageInputs) -> torch.Tensor:
+    """GAE over the loss tokens only (prompt and observation tokens are skipped):
+
+        delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next
+
+    where next is the next loss token of the row (V_next = A_next = 0 after the last) and r_t
+    is `rewards_BT`.
+    """
+    mask_BT, r_BT = x.mask_BT.bool(), rewards_BT(x)
+    adv_BT = torch.zeros_like(x.values_BT)
+    next_adv_B = next_value_B = torch.zeros_like(x.rewards_B)
+    for t in reversed(range(mask_BT.shape[1])):
+        m_B, v_B = mask_BT[:, t], x.values_BT[:, t]
+        delta_B = r_BT[:, t] + x.gamma * next_value_B - v_B
+        next_adv_B = torch.where(m_B, delta_B + x.gamma * x.lam * next_adv_B, next_adv_B)
+        next_value_B = torch.where(m_B, v_B, next_value_B)
+        adv_BT[:, t] = next_adv_B * m_B
+    return adv_BT
+
+
+def gae_returns(x: AdvantageInputs) -> torch.Tensor:
+    """Value targets for the critic: R_t = A_t + V_t (the TD(lambda) return), zero off-mask."""
+    return (gae(x) + x.values_BT) * x.mask_BT
+
+
+@estimator("on_policy_distill")
+def on_policy_distill(x: AdvantageInputs) -> torch.Tensor:
+    """A_t = -(log p_student(y_t) - log p_teacher(y_t)): minus the per-token reverse-KL
+    estimate on the student's own samples. Needs no reward."""
+    return (x.teacher_logprobs_BT - x.logprobs_BT) * x.mask_BT
+
+
+def dynamic_filter(rewards_B: torch.Tensor, group_B: torch.Tensor) -> torch.Tensor:
+    """keep_B: False for every rollout of a group whose rewards are all equal (no signal)."""
+    same_BB = group_B[:, None] == group_B[None, :]
+    return (same_BB & (rewards_B[:, None] != rewards_B[None, :])).any(1)

@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from instar.train.advantages import (
+    ESTIMATORS,
+    AdvantageInputs,
+    dynamic_filter,
+    gae,
+    gae_returns,
+    on_policy_distill,
+)
+
+# Groups 7 (two rollouts), 2 (four) and 9 (alone); ids need not be contiguous.
+REWARDS = torch.tensor([1.0, 3.0, 0.0, 0.0, 2.0, 2.0, 5.0])
+GROUPS = torch.tensor([7, 7, 2, 2, 2, 2, 9])
+MASK = torch.tensor([[0.0, 1.0, 1.0]]).expand(7, 3)
+
+# Per rollout, by hand. Batch mean 13/7. Group 7: mean 2, std 1. Group 2: mean 1, std 1.
+# rloo: group 7 baselines 3 and 1; group 2: (4 - 0) / 3 for a 0, (4 - 2) / 3 for a 2.
+# A rollout alone in its group gets 0 from the group estimators.
+EXPECTED = {
+    "reinforce": [1, 3, 0, 0, 2, 2, 5],
+    "reinforce_baseline": [-6 / 7, 8 / 7, -13 / 7, -13 / 7, 1 / 7, 1 / 7, 22 / 7],
+    "rloo": [-2, 2, -4 / 3, -4 / 3, 4 / 3, 4 / 3, 0],
+    "grpo": [-1, 1, -1, -1, 1, 1, 0],
+    "dr_grpo": [-1, 1, -1, -1, 1, 1, 0],
+}
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_return_estimators_hand_computed(name):
+    adv_BT = ESTIMATORS[name](AdvantageInputs(REWARDS, GROUPS, MASK))
+    expected_BT = torch.tensor(EXPECTED[name])[:, None] * torch.tensor([0.0, 1.0, 1.0])
+    assert torch.allclose(adv_BT, expected_BT, atol=1e-5)
+
+
+def test_the_registry_lists_every_estimator():
+    assert set(ESTIMATORS) == {"reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo",
+                               "gae", "on_policy_distill"}
+
+
+# Two rollouts of one task: prompt, turn 1 (2 tokens), observation, turn 2 (2 tokens).
+TURN_MASK = torch.tensor([[0.0, 1, 1, 0, 1, 1]] * 2)
+TURN_REWARDS = torch.tensor([[0.0, 0, 0.5, 0, 0, 1.0],   # 0.5 after turn 1, 1.0 after turn 2
+                             [0.0, 0, 0.0, 0, 0, 0.5]])
+TURNS = AdvantageInputs(torch.tensor([1.5, 0.5]), torch.tensor([0, 0]), TURN_MASK,
+                        token_rewards_BT=TURN_REWARDS)
+
+
+def test_per_turn_rewards_give_reward_to_go():
+    # reward-to-go: row 0 is 1.5 on turn 1, 1.0 on turn 2; row 1 is 0.5 on both.
+    assert ESTIMATORS["reinforce"](TURNS).tolist() == [[0, 1.5, 1.5, 0, 1.0, 1.0],
+                                                       [0, 0.5, 0.5, 0, 0.5, 0.5]]
+    # dr_grpo subtracts the group mean of the rollout rewards, (1.5 + 0.5) / 2 = 1.
+    assert ESTIMATORS["dr_grpo"](TURNS).tolist() == [[0, 0.5, 0.5, 0, 0.0, 0.0],
+                                                     [0, -0.5, -0.5, 0, -0.5, -0.5]]
+
+
+def test_gae_hand_computed_over_loss_tokens_only():
+    # loss tokens t=1,2,4 with V = 1, 2, 3 (the 9s are off the mask); reward 1 at t=4;
+    # gamma = lam = 0.5, so A_t = delta_t + 0.25 A_next:
+    # t=4: delta = 1 - 3 = -2;            A = -2
+    # t=2: delta = 0 + 0.5 * 3 - 2 = -0.5; A = -0.5 + 0.25 * -2 = -1
+    # t=1: delta = 0 + 0.5 * 2 - 1 = 0;    A = 0 + 0.25 * -1 = -0.25
+    x = AdvantageInputs(torch.tensor([1.0]), torch.tensor([0]),
+                        torch.tensor([[0.0, 1, 1, 0, 1]]),
+                        values_BT=torch.tensor([[9.0, 1, 2, 9, 3]]), gamma=0.5, lam=0.5)
+    assert gae(x).tolist() == [[0, -0.25, -1.0, 0, -2.0]]
+    # R = A + V; e.g. t=2 as a lambda-return: 0.5 * (0.5 * V_4 + 0.5 * R_4) = 0.5 * 2 = 1
+    assert gae_returns(x).tolist() == [[0, 0.75, 1.0, 0, 1.0]]
+
+
+def test_gae_without_values_and_discount_is_reward_to_go():
+    x = AdvantageInputs(TURNS.rewards_B, TURNS.group_B, TURN_MASK, token_rewards_BT=TURN_REWARDS,
+                        values_BT=torch.zeros(2, 6))
+    assert torch.equal(gae(x), ESTIMATORS["reinforce"](TURNS))
+
+
+def test_on_policy_distill_is_minus_the_reverse_kl_estimate():
+    x = AdvantageInputs(torch.zeros(1), torch.zeros(1), torch.tensor([[0.0, 1, 1]]),
+                        logprobs_BT=torch.tensor([[-1.0, -2.0, -0.5]]),
+                        teacher_logprobs_BT=torch.tensor([[-1.5, -1.0, -0.5]]))
+    # teacher - student on the loss tokens: -1 - (-2) = 1, -0.5 - (-0.5) = 0
+    assert on_policy_distill(x).tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_dynamic_filter_drops_groups_of_equal_rewards():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 3.0, 3.0, 3.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 3, 3, 3])
+    assert dynamic_filter(rewards, groups).tolist() == [False, False, True, True,
+                                                        False, False, False, False]
