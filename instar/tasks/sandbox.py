@@ -1,0 +1,304 @@
+"""Run untrusted Python in a throwaway sandbox: the executor behind code-execution tasks.
+
+`run_code(code, stdin=..., files=...)` runs `code` as `/work/main.py` and returns an
+`ExecResult`. Nothing the code does can crash or hang the caller: every escape attempt either
+fails inside the sandbox or ends the run, and is reported as `ExecResult.violation`.
+
+    caller: run_code                    launcher: this file, run as a script
+    ────────────────                    ────────────────────────────────────
+    writes config.json ───────────────▶ unshare: new mount, net, pid, ipc, uts namespaces
+    reads stdout, stderr, ctl, hints    └ fork: pid 1 of the new pid namespace
+      (each capped, until the deadline)   tmpfs root, read-only /usr, /lib*, Python; chroot
+    on wall time or output overflow:      └ fork: the code's process
+      SIGKILL the launcher's group          writes /work, takes a fresh uid, sets rlimits,
+      (pid 1 is in it); once pid 1          execs python -I: audit hook, then main.py
+      is gone the kernel kills the rest   pid 1 waits, reports the exit status on ctl
+
+Containment, per escape (the kernel does it; the audit hook only explains and reports):
+- infinite loop: the caller's wall-clock deadline kills everything (setsid and double forks
+  included, as above); RLIMIT_CPU stops each process after `cpu_s` CPU seconds (rounded up).
+- memory bomb: RLIMIT_AS of `memory_mb` per process (Python raises MemoryError).
+- fork bomb: RLIMIT_NPROC of `processes`. Root ignores that limit, so as root the code runs
+  under a random unprivileged uid (60000-64999; two runs that draw the same one share the
+  limit); without root, in a new user namespace, where the kernel counts per namespace.
+- huge output: each stream is read as it comes and the run is killed past `output_bytes`;
+  files go to a tmpfs with `disk_mb` free (RLIMIT_FSIZE too), gone with the mount namespace.
+- files outside /work: chroot into a tmpfs that holds only /work, read-only binds of /usr,
+  /bin, /lib* and the Python installation, and /dev/{null,zero,random,urandom}. There is no
+  /etc, /home, /root, /tmp, /proc or /sys; the project's venv is not there (stdlib only).
+- network: an empty network namespace (no interface is up, not even loopback).
+
+Known limits: memory is per process (worst case `processes` x `memory_mb`; no cgroup);
+system directories and the Python installation are readable (not secret, but not hidden);
+hints come from inside the sandbox, so code can forge or dodge its own label, never its
+containment. Needs Linux and root or unprivileged user namespaces; otherwise `run_code` raises
+RuntimeError: there is no unsandboxed fallback. Agent-facing: stdlib only, no torch or ray.
+"""
+
+import contextlib
+import json
+import math
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+VIOLATIONS = ("wall_time", "cpu_time", "memory", "processes", "output", "disk", "network",
+              "filesystem")
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/work", "TMPDIR": "/work"}
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
+
+# Runs first in the sandboxed interpreter; hints go to fd 3.
+_GUARD = """
+import os, runpy, sys
+
+def hint(word):
+    try:
+        os.write(3, word.encode() + b" ")
+    except OSError:
+        pass
+
+def audit(event, args, readable=(sys.base_prefix + "/", "/usr/", "/lib/", "/dev/", "/work/")):
+    if event == "open" and not isinstance(args[0], int):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if not (path + "/").startswith(readable):
+            hint("filesystem")
+            raise PermissionError(f"sandbox: {path} is outside /work")
+    elif event == "socket.__new__" and args[1] in (-1, 2, 10):
+        hint("network")
+        raise PermissionError("sandbox: no network")
+
+def excepthook(kind, exc, tb):
+    if issubclass(kind, MemoryError):
+        hint("memory")
+    elif issubclass(kind, BlockingIOError):
+        hint("processes")
+    elif issubclass(kind, OSError) and exc.errno in (27, 28):
+        hint("disk")
+    while tb and tb.tb_next and not tb.tb_frame.f_code.co_filename.startswith("/work/"):
+        tb = tb.tb_next
+    sys.__excepthook__(kind, exc, exc.with_traceback(tb).__traceback__)
+
+sys.excepthook = excepthook
+sys.path.insert(0, "/work")
+sys.addaudithook(audit)
+runpy.run_path("/work/main.py", run_name="__main__")
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    """What one sandboxed run did.
+
+    Example: `ExecResult(returncode=0, stdout="6\\n", stderr="", violation=None, seconds=0.1)`.
+    """
+
+    returncode: int
+    """The code's exit status; negative for a signal (-9 when the caller killed the run)."""
+    stdout: str
+    """Standard output: its first `output_bytes` bytes, decoded as UTF-8 (errors replaced)."""
+    stderr: str
+    """Standard error, capped the same way."""
+    violation: str | None
+    """The limit or rule the code ran into (one of `VIOLATIONS`), or None."""
+    seconds: float
+    """Wall-clock time of the whole run, sandbox set-up included."""
+
+    @property
+    def timed_out(self) -> bool:
+        """Stopped by the wall-clock or the CPU-time limit."""
+        return self.violation in ("wall_time", "cpu_time")
+
+    @property
+    def ok(self) -> bool:
+        """Exited 0 without a violation."""
+        return self.returncode == 0 and self.violation is None
+
+
+def run_code(code: str, *, stdin: str = "", files: dict[str, str] | None = None,
+             cpu_s: float = 5.0, wall_s: float = 10.0, memory_mb: int = 256,
+             output_bytes: int = 65_536, disk_mb: int = 16, processes: int = 16) -> ExecResult:
+    """Run `code` as `/work/main.py` beside `files` (relative path -> text), fed `stdin`.
+
+    Limits: `cpu_s` CPU seconds and `memory_mb` of address space per process, `wall_s` for
+    the whole run, `output_bytes` kept of each output stream, `disk_mb` for /work, and
+    `processes` (threads included) alive at once.
+    """
+    files = files or {}
+    if any(os.path.isabs(name) or ".." in name.split("/") for name in files):
+        raise ValueError(f"files: names must be relative paths inside /work, got {list(files)}")
+    if min(cpu_s, wall_s, memory_mb, output_bytes, disk_mb, processes) <= 0:
+        raise ValueError("run_code: every limit must be positive")
+    start = time.monotonic()
+    tmp = tempfile.mkdtemp(prefix="instar-sandbox-")
+    ctl_r, ctl_w = os.pipe()
+    hints_r, hints_w = os.pipe()
+    prefix = os.path.realpath(sys.base_prefix)  # the Python installation, bound read-only
+    config = dict(code=code, stdin=stdin, files=files, cpu_s=cpu_s, memory_mb=memory_mb,
+                  disk_mb=disk_mb, processes=processes, ctl=ctl_w, hints=hints_w, prefix=prefix,
+                  python=f"{prefix}/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f)
+        with subprocess.Popen([sys.executable, "-I", "-S", __file__, tmp], cwd=tmp, env=_ENV,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, pass_fds=(ctl_w, hints_w),
+                              start_new_session=True) as proc:
+            os.close(ctl_w)
+            os.close(hints_w)
+            ctl_w = hints_w = -1
+            try:
+                fds = [proc.stdout.fileno(), proc.stderr.fileno(), ctl_r, hints_r]
+                data, violation = _drain(fds, start + wall_s, output_bytes)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        for fd in (ctl_r, ctl_w, hints_r, hints_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        shutil.rmtree(tmp, ignore_errors=True)
+    out, err, ctl, hints = (bytes(data[fd][:output_bytes]).decode(errors="replace") for fd in fds)
+    if "setup-failed" in ctl or (violation is None and "exit:" not in ctl):
+        raise RuntimeError(f"the sandbox could not start:\n{err}")
+    exits = [int(word[5:]) for word in ctl.split() if word.startswith("exit:")]
+    reported = [word for word in ctl.split() + hints.split() if word in VIOLATIONS]
+    return ExecResult(returncode=exits[-1] if exits else proc.returncode, stdout=out,
+                      stderr=err, violation=violation or next(iter(reported), None),
+                      seconds=time.monotonic() - start)
+
+
+def _drain(fds: list[int], deadline: float, cap: int) -> tuple[dict[int, bytearray], str | None]:
+    """Read `fds` to EOF, stopping early at the deadline or once one holds over `cap` bytes."""
+    data = {fd: bytearray() for fd in fds}
+    with selectors.DefaultSelector() as selector:
+        for fd in fds:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                return data, "wall_time"
+            for key, _ in selector.select(timeout):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fd)
+                data[key.fd] += chunk
+                if len(data[key.fd]) > cap:
+                    return data, "output"
+    return data, None
+
+
+# The launcher: runs as a script, stdlib only, in a process the caller can kill as a group.
+
+_NEWNS, _NEWUTS, _NEWIPC = 0x20000, 0x4000000, 0x8000000
+_NEWUSER, _NEWPID, _NEWNET = 0x10000000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 1, 2, 4, 32
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+
+
+def _launch(tmp: str) -> None:
+    import ctypes
+
+    with open(os.path.join(tmp, "config.json")) as f:
+        cfg = json.load(f)
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+    as_root, uid, gid = os.geteuid() == 0, os.getuid(), os.getgid()
+    flags = _NEWNS | _NEWUTS | _NEWIPC | _NEWPID | _NEWNET | (0 if as_root else _NEWUSER)
+    check(libc.unshare(flags), "unshare")
+    if not as_root:  # keep our ids in the new user namespace: exec drops its capabilities
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                           ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+    if os.fork() == 0:  # pid 1 of the new pid namespace; the kernel kills the rest when it ends
+        try:
+            pid = _enter(cfg, tmp, as_root, libc, check)
+        except BaseException:  # in pid 1, or in the code's process before its exec
+            traceback.print_exc()
+            os.write(cfg["ctl"], b"setup-failed ")
+            os._exit(1)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())  # e.g. SIGINT from it
+        status = os.waitpid(pid, 0)[1]
+        words = f"exit:{os.waitstatus_to_exitcode(status)} "
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL):
+            words += "cpu_time"  # SIGXCPU at RLIMIT_CPU's soft limit, SIGKILL at its hard one
+        os.write(cfg["ctl"], words.encode())
+        os._exit(0)
+    os.wait()
+
+
+def _enter(cfg: dict, new_root: str, as_root: bool, libc, check) -> int:
+    """In pid 1: build the root and chroot; fork the code's process (which execs Python)."""
+    import resource
+
+    def bind(src: str, readonly: bool) -> None:
+        dst = new_root + src
+        check(libc.mount(src.encode(), dst.encode(), None, _MS_BIND, None), f"bind {src}")
+        if readonly:  # a remount must keep the flags the source mount has locked
+            kept = os.statvfs(src).f_flag & (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC
+                                             | os.ST_NOATIME | os.ST_NODIRATIME)
+            flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | kept
+            check(libc.mount(None, dst.encode(), None, flags, None), f"read-only {src}")
+
+    files = {**cfg["files"], "main.py": cfg["code"]}
+    size = (cfg["disk_mb"] << 20) + sum(len(text.encode(errors="replace")) + 8192
+                                        for text in files.values())  # given files always fit
+    options = f"size={size},mode=755".encode()
+    check(libc.mount(b"tmpfs", new_root.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options),
+          "tmpfs")
+    for path in (*_SYSTEM, cfg["prefix"]):
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), new_root + path)
+        elif os.path.isdir(path) and not os.path.exists(new_root + path):  # not yet inside
+            os.makedirs(new_root + path, exist_ok=True)
+            bind(path, readonly=True)
+    os.makedirs(new_root + "/dev")
+    for name in ("null", "zero", "random", "urandom"):
+        open(new_root + "/dev/" + name, "w").close()
+        bind("/dev/" + name, readonly=False)
+    stdin = os.memfd_create("stdin")
+    os.write(stdin, cfg["stdin"].encode())
+    os.lseek(stdin, 0, os.SEEK_SET)
+    os.dup2(stdin, 0)
+    os.mkdir(new_root + "/work")
+    os.chroot(new_root)
+    os.chdir("/work")
+    if pid := os.fork():
+        return pid
+    if as_root:  # root ignores RLIMIT_NPROC: run as a fresh uid that owns no other process
+        uid = 60_000 + secrets.randbelow(5_000)
+        os.chown("/work", uid, uid)
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
+        with open(name, "w", errors="replace") as f:
+            f.write(text)
+    cpu = math.ceil(cfg["cpu_s"])
+    for limit, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
+                         (resource.RLIMIT_AS, (cfg["memory_mb"] << 20,) * 2),
+                         (resource.RLIMIT_NPROC, (cfg["processes"],) * 2),
+                         (resource.RLIMIT_FSIZE, (cfg["disk_mb"] << 20,) * 2),
+                         (resource.RLIMIT_NOFILE, (64, 64)), (resource.RLIMIT_CORE, (0, 0))):
+        resource.setrlimit(limit, value)
+    os.set_inheritable(cfg["ctl"], False)
+    os.dup2(cfg["hints"], 3)
+    os.execve(cfg["python"], [cfg["python"], "-I", "-c", _GUARD], _ENV)
+
+
+if __name__ == "__main__":
+    _launch(sys.argv[1])
