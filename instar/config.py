@@ -74,6 +74,18 @@ class RolloutConfig:
     """vLLM engines (Ray actors); episodes are spread over them, one episode per engine."""
     threads: int = 2
     """CPU threads of each engine (on a CPU machine; the loop is synchronous)."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: engines share devices (or cores) with the trainer ranks, and on GPUs sleep
+    while it trains; disaggregated: engines and ranks each get their own."""
+    gpu_memory: float = 0.5
+    """Fraction of a GPU's memory an engine may take (vLLM gpu_memory_utilization); when
+    colocated, leave room for the trainer."""
+    partial: bool = True
+    """At a weight update, requests in flight are paused and resume on the new weights (each
+    token records its version); False: they are aborted and their episodes restarted."""
+    max_staleness: int = 0
+    """How many versions a generated token may lag the policy it is trained with; a request
+    that would exceed it is aborted and its episode restarted (0: strictly on-policy)."""
     sync_check_tol: float = 1e-4
     """After each weight sync, the most the engine's and trainer's log-probs of a fixed probe
     sequence may differ before the run stops (float32: 1e-4; bfloat16 needs about 5e-2)."""
@@ -86,7 +98,10 @@ class TrainConfig:
     num_ranks: int = 2
     """FSDP2 ranks, one Ray actor each."""
     device: Literal["cpu", "cuda"] = "cpu"
-    """Where the trainer runs: cpu (gloo) or cuda (nccl)."""
+    """Where the trainer and engines run: cpu (gloo) or cuda (nccl)."""
+    freeze: list[str] = field(default_factory=list)
+    """Regular expressions; parameters whose names match one are not trained (and never
+    re-sent to the engines), e.g. 'mlp\\.gate\\.' for MoE routers."""
     threads_per_rank: int = 1
     """CPU threads of each rank's torch."""
     lr: float = 1e-3
@@ -161,6 +176,9 @@ class Config:
                              "greedy decoding has no behaviour log-probs to train with")
         if r.num_engines < 1:
             raise ValueError("--rollout.num-engines must be >= 1")
+        if r.max_staleness < 0 or not 0 < r.gpu_memory <= 1:
+            raise ValueError("--rollout.max-staleness must be >= 0 and --rollout.gpu-memory in "
+                             "(0, 1]")
         if r.sync_check_tol <= 0:
             raise ValueError("--rollout.sync-check-tol must be > 0")
         if r.max_tokens >= r.max_model_len:

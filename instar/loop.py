@@ -35,12 +35,13 @@ import ray
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from instar.agents.chat import as_messages, prompt_ids
 from instar.agents.contract import Task
 from instar.agents.loading import load_agent, load_tasks
 from instar.config import Config
+from instar.placement import place
 from instar.rollout.engine import launch
 from instar.rollout.runner import Batch, Rollouts
 from instar.sample import Sample, one_per_rollout, write_jsonl
@@ -61,13 +62,14 @@ def free_port() -> int:
 class Trainer:
     """The group of FSDP2 ranks; every call goes to all of them."""
 
-    def __init__(self, cfg: Config, model_path: str):
+    def __init__(self, cfg: Config, model_path: str, placement: list[dict] | None = None):
         t = cfg.train
         master = f"127.0.0.1:{free_port()}"
-        actor = ray.remote(num_cpus=0, num_gpus=1 if t.device == "cuda" else 0)(TrainWorker)
-        self.workers = [actor.remote(r, t.num_ranks, master, model_path, device=t.device,
-                                     dtype=cfg.model.dtype, threads=t.threads_per_rank,
-                                     lr=t.lr, weight_decay=t.weight_decay)
+        default = dict(num_cpus=0, num_gpus=1 if t.device == "cuda" else 0)
+        self.workers = [ray.remote(TrainWorker).options(**(placement[r] if placement else default))
+                        .remote(r, t.num_ranks, master, model_path, device=t.device,
+                                dtype=cfg.model.dtype, threads=t.threads_per_rank, lr=t.lr,
+                                weight_decay=t.weight_decay, freeze=tuple(t.freeze))
                         for r in range(t.num_ranks)]
         self.cfg = cfg
 
@@ -96,7 +98,16 @@ class Trainer:
             out[r::world] = rank_out
         return out
 
+    def probe(self, ids: list[int]) -> list[float]:
+        """Log-probs of one fixed sequence at temperature 1 (the sync fingerprint)."""
+        return self.logprobs([Sequence(ids, [True] * len(ids), [0.0] * len(ids))], 1.0)[0]
+
+    def save_shards(self, folder: str) -> list[str]:
+        """Each rank writes its shards of the weights that training changes; the files."""
+        return ray.get([w.save_shard.remote(folder) for w in self.workers])
+
     def save_weights(self, path: str) -> None:
+        """The full weights in one file (every rank gathers, rank 0 writes)."""
         ray.get([w.save_weights.remote(path) for w in self.workers])
 
     def export(self, base: Path, out: Path) -> None:
@@ -113,19 +124,30 @@ class Trainer:
         ray.get([w.shutdown.remote() for w in self.workers])
 
 
-def verify_weights(trainer: Trainer, engine, probe: list[int], tol: float) -> float:
-    """Fingerprint check: the engine and the trainer score a fixed probe sequence; if their
-    log-probs differ by more than `tol` the engine does not hold the trainer's weights."""
-    engine_lp = ray.get(engine.prompt_logprobs.remote(probe))
-    (trainer_lp,) = trainer.logprobs([Sequence(probe, [True] * len(probe), [0.0] * len(probe))],
-                                     temperature=1.0)
-    diff = max(abs(a - b) for a, b in zip(engine_lp[1:], trainer_lp[1:]))
-    if diff > tol:
-        raise RuntimeError(f"weight sync check failed: on the probe sequence the engine's "
-                           f"log-probs differ from the trainer's by {diff:.2e} (> {tol:.0e}, "
-                           "--rollout.sync-check-tol); the engine does not hold the trainer's "
-                           "weights (a broken transfer, or a layer the engine did not reload)")
-    return diff
+def verify_weights(engines: list, probe: list[int], expected: list[float], tol: float) -> float:
+    """Fingerprint check: each engine scores the probe sequence; if its log-probs differ from
+    the trainer's (`expected`) by more than `tol`, it does not hold the trainer's weights."""
+    worst = 0.0
+    for i, got in enumerate(ray.get([e.prompt_logprobs.remote(probe) for e in engines])):
+        diff = max(abs(a - b) for a, b in zip(got[1:], expected[1:]))
+        if diff > tol:
+            raise RuntimeError(f"weight sync check failed: on the probe sequence engine {i}'s "
+                               f"log-probs differ from the trainer's by {diff:.2e} (> {tol:.0e}, "
+                               "--rollout.sync-check-tol); the engine does not hold the "
+                               "trainer's weights (a broken transfer, or a layer the engine "
+                               "did not reload)")
+        worst = max(worst, diff)
+    return worst
+
+
+def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, probe: list[int],
+                 tol: float) -> float:
+    """Push the trainer's weights into every engine as `version`, then check them."""
+    paths = trainer.save_shards(folder)
+    loads = [e.load_weights.remote(paths, version) for e in engines]
+    expected = trainer.probe(probe)  # while the engines load
+    ray.get(loads)
+    return verify_weights(engines, probe, expected, tol)
 
 
 def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
@@ -192,14 +214,22 @@ def run(cfg: Config) -> dict:
     console.log(f"run directory {run_dir}; engine and trainer logs: /tmp/ray/session_latest/logs")
     if cfg.train.warmup_sft_steps:
         model_path = warmup(cfg, model_path, train_tasks, tokenizer)
-    trainer = Trainer(cfg, str(model_path))
-    r = cfg.rollout
-    engines = launch(str(model_path), device=cfg.train.device, dtype=cfg.model.dtype,
+    r, t = cfg.rollout, cfg.train
+    engine_at, rank_at = place(r.placement, t.device, r.num_engines, t.num_ranks, r.threads,
+                               t.threads_per_rank)
+    trainer = Trainer(cfg, str(model_path), rank_at)
+    moe = getattr(AutoConfig.from_pretrained(model_path), "num_experts", 0) > 0
+    if moe and t.device == "cpu":
+        console.log("MoE routing is not recorded on CPU (vLLM returns routed experts from its "
+                    "GPU model runner only): samples carry no routed_experts")
+    engines = launch(str(model_path), device=t.device, dtype=cfg.model.dtype,
                      max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
-                     threads=r.threads, seed=cfg.data.seed, count=r.num_engines)
+                     threads=r.threads, seed=cfg.data.seed, count=r.num_engines,
+                     placement=engine_at, partial=r.partial, max_staleness=r.max_staleness,
+                     capture_routing=moe and t.device == "cuda", gpu_memory_utilization=r.gpu_memory)
+    sleeps = r.placement == "colocated" and t.device == "cuda"  # engines free the GPU to train
     probe = prompt_ids(tokenizer, as_messages(train_tasks[0].prompt), None)
-    for engine in engines:  # all start from the trainer's weights
-        verify_weights(trainer, engine, probe, r.sync_check_tol)
+    verify_weights(engines, probe, trainer.probe(probe), r.sync_check_tol)  # same start
     a = cfg.agent
     rollouts = Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_path.name,
                         max_model_len=r.max_model_len,
@@ -208,7 +238,7 @@ def run(cfg: Config) -> dict:
     sampling = {"temperature": r.temperature, "max_tokens": r.max_tokens}
     eval_sampling = {"temperature": r.eval_temperature, "max_tokens": r.max_tokens}
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # weights to the engine via RAM
-    weights = Path(tempfile.mkdtemp(prefix="instar-", dir=shm)) / "policy.safetensors"
+    weights = tempfile.mkdtemp(prefix="instar-", dir=shm)
     rng, order = random.Random(cfg.data.seed), []
     history, metrics_file, failed = [], open(run_dir / "metrics.jsonl", "w"), Counter()
     failures_file = open(run_dir / "failed_rollouts.jsonl", "w")
@@ -237,17 +267,21 @@ def run(cfg: Config) -> dict:
                 order = list(range(len(train_tasks)))
                 rng.shuffle(order)
             batch = [train_tasks[order.pop()] for _ in range(cfg.data.prompts_per_step)]
+            ray.get([e.stats.remote() for e in engines])  # per-engine figures of this rollout
             result = rollouts.run(batch, r.group_size, sampling, f"s{step}")
             samples = collect(result)
             if not samples:
                 raise RuntimeError(f"step {step}: every rollout failed ({dict(result.failed)}); "
                                    f"see {failures_file.name}")
             t1 = time.time()
+            engine_stats = ray.get([e.stats.remote() for e in engines])
+            if sleeps:
+                ray.get([e.sleep.remote() for e in engines])
             stats = trainer.step(to_sequences(samples, cfg.algo.estimator), "pg", cfg.train.lr)
+            if sleeps:
+                ray.get([e.wake_up.remote() for e in engines])
             t2 = time.time()
-            trainer.save_weights(str(weights))
-            ray.get([e.load_weights.remote(str(weights), step) for e in engines])
-            probe_diff = max(verify_weights(trainer, e, probe, r.sync_check_tol) for e in engines)
+            probe_diff = sync_weights(trainer, engines, weights, step, probe, r.sync_check_tol)
             t3 = time.time()
             gen_tokens = sum(s.num_generated for s in samples)
             episodes = one_per_rollout(samples)
@@ -257,6 +291,8 @@ def run(cfg: Config) -> dict:
                  **{f"rollout/info/{k}": mean(s.info[k] for s in episodes if k in s.info)
                     for k in sorted(info_keys)},
                  "rollout/gen_tokens": gen_tokens, "rollout/failed": sum(result.failed.values()),
+                 "rollout/restarted": result.restarted,
+                 **{f"engine/{i}/{k}": v for i, s in enumerate(engine_stats) for k, v in s.items()},
                  **{f"rollout/failed/{k}": v for k, v in result.failed.items()},
                  "train/loss": stats["loss"], "train/grad_norm": stats["grad_norm"],
                  "train/clip_frac": stats["clip_frac"],
@@ -290,5 +326,5 @@ def run(cfg: Config) -> dict:
     ray.get([e.shutdown.remote() for e in engines])
     trainer.shutdown()
     ray.shutdown()
-    shutil.rmtree(weights.parent, ignore_errors=True)
+    shutil.rmtree(weights, ignore_errors=True)
     return summary

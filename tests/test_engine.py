@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from instar.config import Config
-from instar.loop import Trainer, verify_weights
+from instar.loop import Trainer, sync_weights, verify_weights
 from instar.train.worker import Sequence
 
 PROMPTS = ["Reverse: abc", "Reverse: hgfedc", "What is the answer?"]
@@ -50,9 +50,10 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
         seqs = [Sequence(p + g.token_ids, [False] * len(p) + [True] * len(g.token_ids),
                          [0.0] * (len(p) + len(g.token_ids))) for p, g in before]
         trainer.step(seqs, "sft", lr=1e-2)
+        probe = prompt_ids(tokenizer, PROMPTS[1])
+        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4) < 1e-4
         path = tmp_path / "policy.safetensors"
-        trainer.save_weights(str(path))
-        ray.get(engine.load_weights.remote(str(path), 1))
+        trainer.save_weights(str(path))  # the full weights, to compare with transformers
 
         trained = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         trained.load_state_dict(load_file(str(path)),
@@ -71,19 +72,19 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
             assert (hf_logprobs(trained, prompt, gen, 0.8) - engine_lp).abs().max() < 1e-4
             # ...and no longer the old weights
             assert (hf_logprobs(old, prompt, gen, 0.8) - engine_lp).abs().max() > 1e-2
-        probe = prompt_ids(tokenizer, PROMPTS[1]) + after[1][1].token_ids
-        assert verify_weights(trainer, engine, probe, tol=1e-4) < 1e-4
+        probe += after[1][1].token_ids
+        assert verify_weights([engine], probe, trainer.probe(probe), tol=1e-4) < 1e-4
 
         # a corrupted sync (one tensor altered in transit) is caught by the fingerprint check
         weights = load_file(str(path))
         weights["model.layers.1.mlp.down_proj.weight"] += 0.05
         save_file(weights, str(tmp_path / "corrupt.safetensors"))
-        ray.get(engine.load_weights.remote(str(tmp_path / "corrupt.safetensors"), 2))
+        ray.get(engine.load_weights.remote([str(tmp_path / "corrupt.safetensors")], 2))
         with pytest.raises(RuntimeError, match="weight sync check failed"):
-            verify_weights(trainer, engine, probe, tol=1e-4)
+            verify_weights([engine], probe, trainer.probe(probe), tol=1e-4)
     finally:
         # leave the shared engine as it was
-        ray.get(engine.load_weights.remote(str(tiny_model / "model.safetensors"), 0))
+        ray.get(engine.load_weights.remote([str(tiny_model / "model.safetensors")], 0))
         trainer.shutdown()
 
 
@@ -101,3 +102,44 @@ def test_tiny_moe_model_loads_in_vllm_with_matching_logprobs(ray_session, tokeni
             assert diff < 1e-4, diff
     finally:
         ray.get(engine.shutdown.remote())
+
+
+def test_frozen_tensors_are_not_resent_and_the_sync_still_verifies(engine, tokenizer, tiny_model,
+                                                                   tmp_path):
+    from safetensors import safe_open
+
+    cfg = Config()
+    cfg.train.freeze = [r"embed_tokens", r"layers\.0\.self_attn\.q_proj"]
+    trainer = Trainer(cfg, str(tiny_model))
+    try:
+        seqs = [Sequence(p + g.token_ids, [False] * len(p) + [True] * len(g.token_ids),
+                         [0.0] * (len(p) + len(g.token_ids))) for p, g in generate_all(engine, tokenizer)]
+        trainer.step(seqs, "sft", lr=1e-2)
+        probe = prompt_ids(tokenizer, PROMPTS[0])
+        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4) < 1e-4
+        sent = set()
+        for f in tmp_path.glob("rank-*.safetensors"):
+            with safe_open(str(f), "pt") as shard_file:
+                sent |= set(shard_file.keys())
+        assert "model.embed_tokens.weight" not in sent  # frozen: never re-sent
+        # layer 0 is sent whole (vLLM fuses q/k/v), layer 1 and the final norm as trained
+        assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                "model.layers.1.mlp.down_proj.weight", "model.norm.weight"} <= sent
+    finally:
+        ray.get(engine.load_weights.remote([str(tiny_model / "model.safetensors")], 0))
+        trainer.shutdown()
+
+
+def test_disaggregated_placement_gives_engines_and_ranks_bundles_of_their_own(ray_session):
+    from ray.util.placement_group import placement_group_table
+
+    from instar.placement import place
+
+    engines, ranks = place("disaggregated", "cpu", 1, 1, engine_cpus=1, rank_cpus=1)
+    at = [o["scheduling_strategy"] for o in engines + ranks]
+    assert [s.placement_group_bundle_index for s in at] == [0, 1]
+    table = placement_group_table(at[0].placement_group)
+    assert table["bundles"] == {0: {"CPU": 1.0}, 1: {"CPU": 1.0}} and table["state"] == "CREATED"
+    ray.util.remove_placement_group(at[0].placement_group)
+    with pytest.raises(RuntimeError, match="cannot place disaggregated"):
+        place("disaggregated", "cpu", 2, 2, engine_cpus=2, rank_cpus=2, timeout_s=2)

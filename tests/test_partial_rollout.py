@@ -51,7 +51,7 @@ def update_during(engine, request, path: str, version: int, after_s: float = 1.0
     """Start `request` (a Ray ref factory), load weights `after_s` later, return its result."""
     ref = request()
     time.sleep(after_s)
-    ray.get(engine.load_weights.remote(path, version))
+    ray.get(engine.load_weights.remote([path], version))
     return ray.get(ref)
 
 
@@ -68,7 +68,7 @@ def test_paused_request_resumes_on_new_weights_split_at_the_exact_token(
     # split are A's log-probs, the ones after it B's, to float precision.
     full = ids + gen.token_ids
     under_b = ray.get(partial_engine.prompt_logprobs.remote(full))[len(ids):]
-    ray.get(partial_engine.load_weights.remote(a, 2))
+    ray.get(partial_engine.load_weights.remote([a], 2))
     under_a = ray.get(partial_engine.prompt_logprobs.remote(full))[len(ids):]
     diff = lambda ref, span: max(abs(gen.logprobs[i] - ref[i]) for i in span)  # noqa: E731
     assert diff(under_a, range(k)) < 1e-4
@@ -80,7 +80,7 @@ def test_paused_request_resumes_on_new_weights_split_at_the_exact_token(
 def test_requests_that_would_exceed_max_staleness_are_aborted(partial_engine, tokenizer, weights):
     a, _ = weights
     ids, version = prompt(tokenizer), 10
-    ray.get(partial_engine.load_weights.remote(a, version))
+    ray.get(partial_engine.load_weights.remote([a], version))
     # an episode whose first token is one version old may go on (max_staleness=1) ...
     ok = ray.get(partial_engine.generate.remote(ids, {**LONG, "max_tokens": 4}, version - 1))
     assert ok.finish_reason == "length" and ok.versions == [version] * 4
@@ -117,7 +117,7 @@ def test_without_partial_rollout_episodes_in_flight_restart_on_the_new_weights(
     try:
         worker.start()
         time.sleep(1.5)
-        ray.get(restart_engine.load_weights.remote(a, 7))
+        ray.get(restart_engine.load_weights.remote([a], 7))
         worker.join()
     finally:
         rollouts.close()

@@ -43,7 +43,7 @@ def test_episodes_stay_on_one_engine_and_spread_by_load(two_engines, tokenizer):
 
 
 def test_every_engine_stamps_the_synced_version(two_engines, tokenizer, tiny_model):
-    ray.get([e.load_weights.remote(str(tiny_model / "model.safetensors"), 5)
+    ray.get([e.load_weights.remote([str(tiny_model / "model.safetensors")], 5)
              for e in two_engines])
     ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     gens = ray.get([e.generate.remote(ids, {"temperature": 1.0, "max_tokens": 3})

@@ -24,6 +24,7 @@ class Generated(Protocol):
     versions: list[int]
     finish_reason: str
     text: str
+    routed_experts: list | None
 
 
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[Generated]]
@@ -55,7 +56,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
     messages = as_messages(await agent_call(env.reset(task)))
     tokens = prompt_ids(tokenizer, messages, env.tools)
     mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
-    reward, turn_rewards, info, finish = 0.0, [], {}, "max_turns"
+    reward, turn_rewards, info, finish, routing = 0.0, [], {}, "max_turns", None
     for _ in range(max_turns):
         budget = env.max_tokens - len(tokens)
         if budget <= 0:
@@ -67,6 +68,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         mask += [True] * n
         logprobs += gen.logprobs
         versions += gen.versions
+        routing = gen.routed_experts  # every position the engine has run (GPU MoE only)
         action = Action(gen.text, list(gen.token_ids), env.parse_tool_calls(gen.text))
         result = await agent_call(env.step(action))
         reward += result.reward
@@ -90,8 +92,12 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         versions += [None] * len(obs)
     if not any(mask):
         raise EpisodeError("max_tokens", f"the prompt alone exceeds max_tokens={env.max_tokens}")
+    if routing is not None:  # the positions after the last one the engine ran (the final
+        # token, a last observation) affect no trained log-prob: they repeat the last row
+        routing = routing[:len(tokens)] + routing[-1:] * (len(tokens) - len(routing))
     return dict(tokens=tokens, loss_mask=mask, logprobs=logprobs, versions=versions,
-                reward=reward, finish_reason=finish, info={**info, "turn_rewards": turn_rewards})
+                reward=reward, finish_reason=finish, info={**info, "turn_rewards": turn_rewards},
+                routed_experts=routing)
 
 
 async def run_env_episode(env: Env, task: Task, generate: Generate, tokenizer,

@@ -123,8 +123,9 @@ class Engine:
         ids = out.external_req_ids.get(rid)
         return out.request_states[ids[0]].detokenizer.num_output_tokens() if ids else None
 
-    async def load_weights(self, path: str, version: int) -> None:
-        """Pause, load the weights in `path` as `version`, resume (see the module docstring)."""
+    async def load_weights(self, paths: list[str], version: int) -> None:
+        """Pause, load the weights in `paths` (safetensors files; see WeightReceiver) as
+        `version`, resume (see the module docstring)."""
         self.ready.clear()
         try:
             await self.llm.pause_generation(mode="keep" if self.partial else "abort")
@@ -137,11 +138,18 @@ class Engine:
             await self.llm.abort(stale)
             # (pausing also emptied the KV and prefix caches: nothing computed with the old
             # weights is reused)
-            await self.llm.collective_rpc("load_safetensors", args=(path,))
+            await self.llm.collective_rpc("load_safetensors", args=(paths,))
             self.version = version
             await self.llm.resume_generation()
         finally:
             self.ready.set()
+
+    async def sleep(self) -> None:
+        """Free the GPU memory of weights and KV cache while a colocated trainer trains."""
+        await self.llm.sleep(level=1)
+
+    async def wake_up(self) -> None:
+        await self.llm.wake_up()
 
     def stats(self) -> dict[str, float]:
         """Since the last call: peak requests in flight, generated tokens/s, prefix-cache
@@ -156,15 +164,18 @@ class Engine:
 
 
 def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_cache_gb: int,
-           threads: int, seed: int, count: int = 1, **options) -> list:
+           threads: int, seed: int, count: int = 1, placement: list[dict] | None = None,
+           **options) -> list:
     """Start `count` Engines as Ray actors (Ray must be initialised); returns once they are
-    up, so start-up time never counts against an episode's timeout. `options` go to Engine."""
+    up, so start-up time never counts against an episode's timeout. `placement`: Ray
+    options per engine (see instar.placement); `options` go to Engine."""
     import ray
 
-    actor = ray.remote(num_cpus=0, num_gpus=1 if device == "cuda" else 0)(Engine)
-    engines = [actor.remote(model_path, dtype=dtype, max_model_len=max_model_len,
-                            kv_cache_gb=kv_cache_gb, threads=threads, seed=seed + i, engine_id=i,
-                            **options)
+    actor = ray.remote(Engine)
+    default = dict(num_cpus=0, num_gpus=1 if device == "cuda" else 0)
+    engines = [actor.options(**(placement[i] if placement else default)).remote(
+                   model_path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+                   threads=threads, seed=seed + i, engine_id=i, **options)
                for i in range(count)]
     ray.get([e.__ray_ready__.remote() for e in engines])
     return engines

@@ -1,14 +1,19 @@
 """Runs inside vLLM's worker processes (`worker_extension_cls`): loads pushed weights in place."""
 
+import torch
 from safetensors.torch import load_file
 
 
 class WeightReceiver:
     """Mixed into vLLM's worker class; `self` is the worker."""
 
-    def load_safetensors(self, path: str) -> None:
-        """Reload the model's weights from a safetensors file (Hugging Face names)."""
-        self.model_runner.reload_weights(weights_iterator=iter(load_file(path).items()))
+    def load_safetensors(self, paths: list[str]) -> None:
+        """Reload weights from safetensors files (Hugging Face names). A tensor found in
+        several files was sharded over trainer ranks: its parts are concatenated in order."""
+        files = [load_file(p) for p in paths]
+        names = dict.fromkeys(n for f in files for n in f)
+        self.model_runner.reload_weights(weights_iterator=(
+            (n, torch.cat([f[n] for f in files if n in f])) for n in names))
         # A tied output layer shares the embedding's weight but is not reloaded itself; on
         # CPU it keeps a prepacked copy of the old weight, so it is re-processed here.
         model = self.model_runner.model

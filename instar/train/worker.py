@@ -6,6 +6,7 @@ and each rank scales its loss by the world size so the result is a global token 
 """
 
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from instar.train.losses import pg_clip_loss, sft_loss, token_logprobs
@@ -42,6 +44,13 @@ def shard(seqs: list[Sequence], world: int, micro_batch: int) -> list[list[list[
     return [[p[i * micro_batch:(i + 1) * micro_batch] for i in range(n_micro)] for p in per_rank]
 
 
+def sync_unit(name: str) -> str:
+    """Tensors that vLLM may fuse into one module (q/k/v, gate/up, all experts) belong to one
+    decoder layer, so a layer is synced whole or not at all; other tensors on their own."""
+    layer = re.match(r".*?\.\d+\.", name)
+    return layer.group(0) if layer else name
+
+
 def atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -54,7 +63,8 @@ class TrainWorker:
     """Ray actor: holds one rank's shard of the policy and its optimizer."""
 
     def __init__(self, rank: int, world: int, master: str, model_path: str, *, device: str,
-                 dtype: str, threads: int, lr: float, weight_decay: float):
+                 dtype: str, threads: int, lr: float, weight_decay: float,
+                 freeze: tuple[str, ...] = ()):
         torch.set_num_threads(threads)
         self.rank, self.world = rank, world
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
@@ -62,12 +72,20 @@ class TrainWorker:
                                 init_method=f"tcp://{master}", rank=rank, world_size=world)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         model.to(self.device)
+        for name, p in model.named_parameters():
+            if any(re.search(pattern, name) for pattern in freeze):
+                p.requires_grad_(False)
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
         self.model = model
         self.tied = model.config.tie_word_embeddings
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+        # Engines start from the same checkpoint, so only what training changes is synced.
+        changing = {sync_unit(n) for n, p in model.named_parameters() if p.requires_grad}
+        self.sync_names = [n for n in model.state_dict() if sync_unit(n) in changing
+                           and not (self.tied and n == "lm_head.weight")]
 
     def _batch(self, seqs: list[Sequence]):
         if not seqs:  # keeps collectives in step; contributes nothing to the loss
@@ -136,6 +154,20 @@ class TrainWorker:
         sd = self.full_state_dict()
         if sd is not None:
             atomic_save(sd, Path(path))
+
+    def save_shard(self, folder: str) -> str:
+        """Write this rank's shards of the synced tensors to folder/rank-R.safetensors, with no
+        collective: concatenated over ranks (dim 0, in rank order) they are the full tensors."""
+        sd, out = self.model.state_dict(), {}
+        for name in self.sync_names:
+            t = sd[name]
+            if isinstance(t, DTensor):
+                out[name] = t.to_local().detach().cpu().contiguous()
+            elif self.rank == 0:
+                out[name] = t.detach().cpu().contiguous()
+        path = Path(folder) / f"rank-{self.rank}.safetensors"
+        atomic_save(out, path)
+        return str(path)
 
     def shutdown(self) -> None:
         dist.destroy_process_group()
