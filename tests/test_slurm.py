@@ -41,9 +41,10 @@ start)
     echo $$ >> "$FAKE_DIR/pids"
     exec sleep 300 ;;
 status)
-    for _ in $(seq 20); do  # like the real one, give a just-started head a moment
+    for _ in $(seq 20); do  # give the nodes srun is starting a moment to come up
         n=$(grep -c '^gpu-[a-z]* ray start ' "$FAKE_DIR/log")
-        [ "$n" -gt 0 ] && break
+        launched=$(grep -c '^batch srun .* ray start ' "$FAKE_DIR/log")
+        [ "$n" -gt 0 ] && [ "$n" -ge "$launched" ] && break
         sleep 0.1
     done
     [ "$n" -eq 0 ] && { echo "ConnectionError: could not find any running Ray instance"; exit 1; }
@@ -150,9 +151,7 @@ def test_two_nodes_head_workers_instar_then_ray_stop(job):
     stops = [index(log, f"{node} ray stop") for node in ("gpu-a", "gpu-b")]
     assert head < worker < run < min(stops)
     assert len(ran(log, "ray start")) == 2
-    # the worker joins, and instar starts, only once `ray status` shows the nodes they need
-    assert log[head + 1:worker].count("gpu-a ray status --address=10.0.0.1:6379") >= 1
-    assert log[worker + 1:run].count("gpu-a ray status --address=10.0.0.1:6379") >= 1
+    assert "gpu-a ray status --address=10.0.0.1:6379" in log
     for line in job.srun_lines():
         assert line.startswith("batch srun --nodes=1 --ntasks=1 --overlap --cpus-per-task=32 "
                                "--nodelist=gpu-"), line
@@ -187,15 +186,21 @@ def test_instar_failure_stops_ray_everywhere(job):
     assert job.leftover() == []
 
 
-def test_worker_never_joins(job):
-    status, err = job.run("multi_node.sbatch", FAKE_MAX_NODES="1", RAY_WAIT_S="0")
+@pytest.mark.parametrize("joined", [0, 1])
+def test_cluster_never_ready(job, joined):
+    """The head (joined=0) or the worker (joined=1) never shows up in `ray status`: the next
+    step never starts, Ray is stopped everywhere, the job fails."""
+    status, err = job.run("multi_node.sbatch", FAKE_MAX_NODES=str(joined), RAY_WAIT_S="0")
     assert status == 1
     log = job.log()
+    if joined == 0:
+        assert ran(log, "ray start --address") == []
     assert ran(log, "instar") == []
     index(log, "gpu-a ray stop")
     index(log, "gpu-b ray stop")
-    assert "Ray did not reach 2 node(s) with 8 GPUs each within RAY_WAIT_S=0s" in err
-    assert " 0.0/8.0 GPU" in err  # the last `ray status` is shown
+    assert (f"Ray did not reach {joined + 1} node(s) with 8 GPUs each within RAY_WAIT_S=0s"
+            in err)
+    assert f" 0.0/{joined * 8}.0 GPU" in err  # the last `ray status` is shown
     assert job.leftover() == []
 
 

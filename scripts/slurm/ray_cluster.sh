@@ -1,0 +1,95 @@
+# shellcheck shell=bash
+# Sourced by single_node.sbatch and multi_node.sbatch (submit those, not this file):
+#   1. start a Ray head on the job's first node and a Ray worker on each other node;
+#   2. wait until Ray reports every node and all their GPUs;
+#   3. run `instar rl --config "$RECIPE" --ray-address HEAD:PORT` on the first node, with the
+#      arguments given to sbatch after the script's name (they override the recipe);
+#   4. on exit, failure or SIGTERM (scancel, or --signal before the time limit): `ray stop` on
+#      every node, then end the background steps. The job exits with instar's status.
+#
+# Knobs (environment variables; sbatch passes the submitting shell's environment on):
+#   RECIPE            recipe YAML, relative to the submit directory (required)
+#   GPUS_PER_NODE     GPUs each node gives Ray (default: sbatch's --gpus-per-node, else 8)
+#   RAY_PORT          port of the Ray head (GCS) on the first node (default 6379)
+#   RAY_WAIT_S        seconds to wait for all nodes to join before giving up (default 300)
+#   CONTAINER_IMAGE   run every step in this image through pyxis (srun --container-image)
+#   CONTAINER_MOUNTS  pyxis mounts (default: the submit directory, at the same path)
+# Every srun option is written --name=value.
+set -euo pipefail
+
+: "${RECIPE:?set RECIPE to a recipe file, e.g. RECIPE=recipes/qwen3_4b_math_1node.yaml}"
+gpus=${SLURM_GPUS_PER_NODE:-8}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${gpus##*:}}  # --gpus-per-node=h100:8 gives "h100:8"
+RAY_PORT=${RAY_PORT:-6379}
+RAY_WAIT_S=${RAY_WAIT_S:-300}
+
+hostnames=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+mapfile -t nodes <<<"$hostnames"
+head=${nodes[0]}
+
+# One task on one node, with all of the node's CPUs; --overlap lets steps share the node's
+# CPUs and GPUs with the long-running `ray start` step.
+step=(--nodes=1 --ntasks=1 --overlap --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}")
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+    step+=(--container-image="$CONTAINER_IMAGE" --container-name=instar
+           --container-mounts="${CONTAINER_MOUNTS:-$PWD:$PWD}" --container-workdir="$PWD")
+fi
+on() {  # on NODE COMMAND...: run COMMAND as a job step on NODE
+    srun "${step[@]}" --nodelist="$1" "${@:2}"
+}
+background=()
+start() {  # start NODE COMMAND...: the same in the background, ended by the clean-up
+    srun "${step[@]}" --nodelist="$1" "${@:2}" &
+    background+=("$!")
+}
+
+cleanup() {
+    local status=$? stops=() node
+    trap - EXIT INT TERM
+    echo "instar: stopping Ray on ${nodes[*]} (exit status $status)" >&2
+    for node in "${nodes[@]}"; do
+        on "$node" ray stop >&2 &
+        stops+=("$!")
+    done
+    wait "${stops[@]}" || true
+    kill "${background[@]}" 2>/dev/null || true
+    wait || true
+    exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+
+wait_for_nodes() {  # wait_for_nodes N: until `ray status` lists N nodes and N * GPUS_PER_NODE GPUs
+    local want=$1 deadline=$((SECONDS + RAY_WAIT_S)) status
+    while :; do
+        status=$(on "$head" ray status --address="$address" 2>&1) || true
+        if [ "$(grep -cE '^ +[0-9]+ node_' <<<"$status")" -ge "$want" ] &&
+            grep -q "/$((want * GPUS_PER_NODE))\.0 GPU" <<<"$status"; then
+            return 0
+        fi
+        if ((SECONDS >= deadline)); then
+            echo "instar: Ray did not reach $want node(s) with $GPUS_PER_NODE GPUs each" \
+                "within RAY_WAIT_S=${RAY_WAIT_S}s; last \`ray status\`:" >&2
+            echo "$status" >&2
+            return 1
+        fi
+        sleep 5
+    done
+}
+
+head_ip=$(on "$head" hostname --ip-address)
+head_ip=${head_ip%% *}  # the first address where the node has several
+address=$head_ip:$RAY_PORT
+echo "instar: Ray head on $head ($address); nodes: ${nodes[*]}" >&2
+
+start "$head" ray start --head --node-ip-address="$head_ip" --port="$RAY_PORT" \
+    --num-gpus="$GPUS_PER_NODE" --block
+wait_for_nodes 1
+for node in "${nodes[@]:1}"; do
+    start "$node" ray start --address="$address" --num-gpus="$GPUS_PER_NODE" --block
+done
+wait_for_nodes "${#nodes[@]}"
+
+start "$head" instar rl --config "$RECIPE" --ray-address "$address" "$@"
+wait "$!"  # in the background so that a TERM is handled at once
