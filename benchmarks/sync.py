@@ -1,7 +1,7 @@
 """Weight-sync cost on the small built-in model (about 24M params), in one run:
 
   - sync_seconds: median time per step to push the trainer's weights into the engine
-    (gather the FSDP2 shards, write safetensors to /dev/shm, reload in vLLM) plus the
+    (each FSDP2 rank writes its shards to /dev/shm, vLLM reloads them) plus the
     fingerprint check, from the RL loop's own timing;
   - sync_share_of_step: that time over the whole step (rollout + train + sync);
   - bandwidth_fraction_of_memcpy: bytes moved per second by the sync, over a plain
@@ -60,7 +60,7 @@ def main():
         "setup": {"model": "built-in small dense", "params": sum(t.numel() for t in weights.values()),
                   "batch": f"{cfg.data.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "
                            f"up to {cfg.rollout.max_tokens} new tokens",
-                  "transport": "safetensors file in /dev/shm -> vLLM reload_weights",
+                  "transport": "each trainer rank writes its shards (safetensors, /dev/shm); the engine concatenates them into vLLM reload_weights",
                   "steps_measured": len(measured), "machine": "2 cores, CPU only",
                   "date": time.strftime("%Y-%m-%d"), "torch_threads": torch.get_num_threads()},
     }

@@ -80,6 +80,10 @@ class RolloutConfig:
     gpu_memory: float = 0.5
     """Fraction of a GPU's memory an engine may take (vLLM gpu_memory_utilization); when
     colocated, leave room for the trainer."""
+    transport: Literal["file", "nccl", "ipc"] = "file"
+    """How weights reach the engines: file (each trainer rank's shards in shared memory,
+    loaded by vLLM's reload_weights; CPU or GPU), nccl (GPU broadcast to engines on other
+    devices), ipc (CUDA IPC to an engine on the same device: colocated)."""
     partial: bool = True
     """At a weight update, requests in flight are paused and resume on the new weights (each
     token records its version); False: they are aborted and their episodes restarted."""
@@ -179,6 +183,15 @@ class Config:
         if r.max_staleness < 0 or not 0 < r.gpu_memory <= 1:
             raise ValueError("--rollout.max-staleness must be >= 0 and --rollout.gpu-memory in "
                              "(0, 1]")
+        if r.transport != "file" and t.device != "cuda":
+            raise ValueError(f"--rollout.transport {r.transport} needs GPUs (--train.device "
+                             "cuda); on CPU use --rollout.transport file")
+        if r.transport == "ipc" and r.placement != "colocated":
+            raise ValueError("--rollout.transport ipc needs --rollout.placement colocated (CUDA "
+                             "IPC shares a device); use nccl for disaggregated engines")
+        if r.transport == "nccl" and r.placement != "disaggregated":
+            raise ValueError("--rollout.transport nccl needs --rollout.placement disaggregated "
+                             "(NCCL refuses two ranks on one device); use ipc when colocated")
         if r.sync_check_tol <= 0:
             raise ValueError("--rollout.sync-check-tol must be > 0")
         if r.max_tokens >= r.max_model_len:

@@ -106,6 +106,12 @@ class Trainer:
         """Each rank writes its shards of the weights that training changes; the files."""
         return ray.get([w.save_shard.remote(folder) for w in self.workers])
 
+    def connect(self, engines: list, transport: str) -> None:
+        ray.get([w.connect.remote(engines, transport) for w in self.workers])
+
+    def send_weights(self) -> None:
+        ray.get([w.send_weights.remote() for w in self.workers])
+
     def save_weights(self, path: str) -> None:
         """The full weights in one file (every rank gathers, rank 0 writes)."""
         ray.get([w.save_weights.remote(path) for w in self.workers])
@@ -141,12 +147,20 @@ def verify_weights(engines: list, probe: list[int], expected: list[float], tol: 
 
 
 def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, probe: list[int],
-                 tol: float) -> float:
+                 tol: float, transport: str = "file") -> float:
     """Push the trainer's weights into every engine as `version`, then check them."""
-    paths = trainer.save_shards(folder)
-    loads = [e.load_weights.remote(paths, version) for e in engines]
-    expected = trainer.probe(probe)  # while the engines load
-    ray.get(loads)
+    if transport == "file":  # each rank's shards through `folder` (RAM), into reload_weights
+        paths = trainer.save_shards(folder)
+        loads = [e.load_weights.remote(paths, version) for e in engines]
+        expected = trainer.probe(probe)  # while the engines load
+        ray.get(loads)
+    else:  # device to device: NCCL or CUDA IPC
+        ray.get([e.pause.remote(version) for e in engines])
+        try:
+            trainer.send_weights()
+        finally:
+            ray.get([e.resume.remote(version) for e in engines])
+        expected = trainer.probe(probe)
     return verify_weights(engines, probe, expected, tol)
 
 
@@ -226,7 +240,10 @@ def run(cfg: Config) -> dict:
                      max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
                      threads=r.threads, seed=cfg.data.seed, count=r.num_engines,
                      placement=engine_at, partial=r.partial, max_staleness=r.max_staleness,
-                     capture_routing=moe and t.device == "cuda", gpu_memory_utilization=r.gpu_memory)
+                     capture_routing=moe and t.device == "cuda", gpu_memory_utilization=r.gpu_memory,
+                     transport=r.transport)
+    if r.transport != "file":
+        trainer.connect(engines, r.transport)
     sleeps = r.placement == "colocated" and t.device == "cuda"  # engines free the GPU to train
     probe = prompt_ids(tokenizer, as_messages(train_tasks[0].prompt), None)
     verify_weights(engines, probe, trainer.probe(probe), r.sync_check_tol)  # same start
@@ -281,7 +298,8 @@ def run(cfg: Config) -> dict:
             if sleeps:
                 ray.get([e.wake_up.remote() for e in engines])
             t2 = time.time()
-            probe_diff = sync_weights(trainer, engines, weights, step, probe, r.sync_check_tol)
+            probe_diff = sync_weights(trainer, engines, weights, step, probe, r.sync_check_tol,
+                                      r.transport)
             t3 = time.time()
             gen_tokens = sum(s.num_generated for s in samples)
             episodes = one_per_rollout(samples)

@@ -20,6 +20,7 @@ def test_default_config_is_valid():
     (lambda c: setattr(c.data, "prompts_per_step", 0), "--data.prompts-per-step"),
     (lambda c: setattr(c.algo, "clip_low", 1.5), "--algo.clip-low"),
     (lambda c: setattr(c.rollout, "max_staleness", -1), "--rollout.max-staleness"),
+    (lambda c: setattr(c.rollout, "transport", "nccl"), "--rollout.transport nccl needs GPUs"),
 ])
 def test_validate_names_the_flag(change, flag):
     cfg = Config()
@@ -48,7 +49,7 @@ def test_flag_surface_is_frozen():
         model.path model.seed model.size rollout.eval_temperature rollout.group_size
         rollout.kv_cache_gb rollout.max_model_len rollout.max_tokens rollout.num_engines rollout.sync_check_tol
         rollout.temperature rollout.threads rollout.placement rollout.gpu_memory rollout.partial
-        rollout.max_staleness train.freeze train.device train.grad_clip train.lr train.micro_batch
+        rollout.max_staleness rollout.transport train.freeze train.device train.grad_clip train.lr train.micro_batch
         train.num_ranks train.steps train.threads_per_rank train.warmup_sft_batch
         train.warmup_sft_lr train.warmup_sft_steps train.weight_decay""".split())
 

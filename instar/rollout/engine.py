@@ -43,9 +43,11 @@ class Engine:
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: int,
                  threads: int, seed: int, engine_id: int = 0, partial: bool = True,
                  max_staleness: int = 0, capture_routing: bool = False,
-                 gpu_memory_utilization: float = 0.9):
+                 gpu_memory_utilization: float = 0.9, transport: str = "file"):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        if transport == "ipc":  # CUDA IPC handles cross into the engine process pickled
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if capture_routing:  # vLLM returns routed experts from its V2 runner only (GPU)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         from vllm import AsyncEngineArgs
@@ -56,7 +58,8 @@ class Engine:
             logprobs_mode="processed_logprobs",  # after temperature: what sampled the token
             worker_extension_cls="instar.rollout.weight_receiver.WeightReceiver",
             enable_prefix_caching=True, enable_return_routed_experts=capture_routing,
-            gpu_memory_utilization=gpu_memory_utilization)
+            gpu_memory_utilization=gpu_memory_utilization,
+            weight_transfer_config=None if transport == "file" else {"backend": transport})
         self.llm = AsyncLLM.from_engine_args(args)
         self.version, self.engine_id = 0, engine_id
         self.partial, self.max_staleness = partial, max_staleness
@@ -123,26 +126,46 @@ class Engine:
         ids = out.external_req_ids.get(rid)
         return out.request_states[ids[0]].detokenizer.num_output_tokens() if ids else None
 
-    async def load_weights(self, paths: list[str], version: int) -> None:
-        """Pause, load the weights in `paths` (safetensors files; see WeightReceiver) as
-        `version`, resume (see the module docstring)."""
+    async def pause(self, version: int) -> None:
+        """Stop generating before weights `version` arrive (see the module docstring)."""
         self.ready.clear()
+        await self.llm.pause_generation(mode="keep" if self.partial else "abort")
+        stale = []
+        for rid, (oldest, updates) in self.live.items():
+            if (n := self._generated_so_far(rid)) is not None:
+                updates.append((n, version))
+            if version - oldest > self.max_staleness:
+                stale.append(rid)
+        await self.llm.abort(stale)
+        # (pausing also emptied the KV and prefix caches: nothing computed with the old
+        # weights is reused)
+
+    async def resume(self, version: int) -> None:
+        self.version = version
+        await self.llm.resume_generation()
+        self.ready.set()
+
+    async def load_weights(self, paths: list[str], version: int) -> None:
+        """Pause, load `paths` (safetensors files; see WeightReceiver) as `version`, resume."""
+        await self.pause(version)
         try:
-            await self.llm.pause_generation(mode="keep" if self.partial else "abort")
-            stale = []
-            for rid, (oldest, updates) in self.live.items():
-                if (n := self._generated_so_far(rid)) is not None:
-                    updates.append((n, version))
-                if version - oldest > self.max_staleness:
-                    stale.append(rid)
-            await self.llm.abort(stale)
-            # (pausing also emptied the KV and prefix caches: nothing computed with the old
-            # weights is reused)
             await self.llm.collective_rpc("load_safetensors", args=(paths,))
-            self.version = version
-            await self.llm.resume_generation()
         finally:
-            self.ready.set()
+            await self.resume(version)
+
+    # GPU transports: vLLM's weight-transfer engine, driven from the trainer's side (see
+    # TrainWorker.connect); these four are the calls its Ray client makes.
+    async def init_weight_transfer_engine(self, request) -> None:
+        await self.llm.init_weight_transfer_engine(request)
+
+    async def start_weight_update(self) -> None:
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, request) -> None:
+        await self.llm.update_weights(request)
+
+    async def finish_weight_update(self) -> None:
+        await self.llm.finish_weight_update()
 
     async def sleep(self) -> None:
         """Free the GPU memory of weights and KV cache while a colocated trainer trains."""

@@ -169,5 +169,33 @@ class TrainWorker:
         atomic_save(out, path)
         return str(path)
 
+    def connect(self, engines: list, transport: str) -> None:
+        """GPU transports through vLLM's weight-transfer engines, one per inference engine:
+        "nccl" (engines on other GPUs: a broadcast group of this rank and the engine) or
+        "ipc" (an engine on this GPU: CUDA IPC handles). Every rank takes part, since
+        gathering a full tensor is a collective; rank 0 sends."""
+        from vllm.distributed.weight_transfer import (
+            ModuleSource,
+            RayVLLMWeightSyncClient,
+            WeightTransferTrainerFactory,
+        )
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+        from vllm.utils.network_utils import get_ip, get_open_port
+
+        torch.cuda.set_device(self.device)
+        self.transfers = []
+        for engine in engines:  # engines run with tensor parallel 1: a group of two
+            info = (NCCLTrainerInitInfo(master_address=get_ip(), master_port=get_open_port(),
+                                        world_size=2, rank=self.rank) if transport == "nccl"
+                    else IPCTrainerInitInfo(rank=self.rank))
+            self.transfers.append(WeightTransferTrainerFactory.trainer_init(
+                info, client=RayVLLMWeightSyncClient(engine), source=ModuleSource(self.model)))
+
+    @torch.no_grad()
+    def send_weights(self) -> None:
+        for transfer in self.transfers:
+            transfer.send_weights()
+
     def shutdown(self) -> None:
         dist.destroy_process_group()
