@@ -1,5 +1,5 @@
-"""instar's command line: rl (train), rollout (no training), serve (engine + gateway),
-make-model (build a tiny model)."""
+"""instar's command line: rl (train), sft (supervised), rollout (no training), serve (engine
++ gateway), make-model (build a tiny model)."""
 
 import argparse
 import sys
@@ -22,7 +22,8 @@ class MakeModel:
     seed: int = 0
 
 
-def rl(argv: list[str]) -> None:
+def parse(argv: list[str], prog: str, description: str) -> tuple[Config, bool]:
+    """The run config from a recipe and flags; exits with a clear message if it is invalid."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--print-config", action="store_true")
@@ -31,20 +32,39 @@ def rl(argv: list[str]) -> None:
     default = load_yaml(known.config) if known.config else Config()
     if known.agent:
         default.agent.file = known.agent
-    cfg = tyro.cli(Config, args=rest, default=default, prog="instar rl",
-                   description="Train an agent with RL. Extra flags: --config recipe.yaml "
-                               "(defaults from a YAML recipe), --print-config (print and exit).")
+    cfg = tyro.cli(Config, args=rest, default=default, prog=prog,
+                   description=description + " Extra flags: --config recipe.yaml (defaults "
+                               "from a YAML recipe), --print-config (print and exit).")
     try:
         cfg.validate()
     except ValueError as e:
-        sys.exit(f"instar rl: config error: {e}")
+        sys.exit(f"{prog}: config error: {e}")
     if known.print_config:
         print(cfg.to_yaml(), end="")
+    return cfg, known.print_config
+
+
+def rl(argv: list[str]) -> None:
+    cfg, printed = parse(argv, "instar rl", "Train an agent with RL.")
+    if printed:
         return
     from instar.loop import run
 
     summary = run(cfg)
     print_summary(summary)
+
+
+def sft(argv: list[str]) -> None:
+    cfg, printed = parse(argv, "instar sft", "Supervised fine-tuning on chat JSONL "
+                         "(--data.train; rows {messages, tools}), loss on assistant tokens.")
+    if printed:
+        return
+    from instar.sft import run_sft
+
+    s = run_sft(cfg)
+    if s["eval_loss_before"] is not None:
+        print(f"instar sft: held-out assistant-token loss {s['eval_loss_before']:.4f} -> "
+              f"{s['eval_loss_after']:.4f}")
 
 
 def print_summary(s: dict) -> None:
@@ -86,7 +106,7 @@ def serve(argv: list[str]) -> None:
     serve(tyro.cli(ServeArgs, args=argv, prog="instar serve"))
 
 
-COMMANDS = {"rl": rl, "rollout": rollout, "serve": serve, "make-model": make_model}
+COMMANDS = {"rl": rl, "sft": sft, "rollout": rollout, "serve": serve, "make-model": make_model}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -109,13 +109,25 @@ class TrainConfig:
     threads_per_rank: int = 1
     """CPU threads of each rank's torch."""
     lr: float = 1e-3
-    """AdamW learning rate (constant)."""
+    """AdamW peak learning rate."""
+    lr_warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to `lr`."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep `lr`, or decay it along a cosine to `min_lr_ratio * lr` at the end."""
+    min_lr_ratio: float = 0.1
+    """cosine: the final learning rate as a fraction of `lr`."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 turns clipping off)."""
-    micro_batch: int = 64
-    """Sequences per forward/backward on each rank."""
+    micro_batch_tokens: int = 8192
+    """Most tokens (padding included) per forward/backward on each rank: sequences are sorted
+    by length and packed into micro-batches up to this budget."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (less memory, ~30% more
+    compute)."""
+    cpu_offload: bool = False
+    """GPU only: keep parameters, gradients and optimizer states in CPU memory (FSDP2)."""
     warmup_sft_steps: int = 60
     """Supervised steps on the training tasks' labels before RL (0: none). The warmed-up
     model is cached, keyed by the base model, data and these settings."""
@@ -127,12 +139,49 @@ class TrainConfig:
 
 @dataclass
 class AlgoConfig:
-    estimator: Literal["grpo"] = "grpo"
-    """Advantage estimator."""
+    estimator: Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae",
+                       "on_policy_distill"] = "grpo"
+    """Advantage estimator (instar/train/advantages.py): gae trains a critic; on_policy_distill
+    needs --algo.teacher and no reward."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """PPO clip (per token), GSPO (sequence ratio) or CISPO (clipped weight times log-prob)."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """Mean over all loss tokens of the step, or over sequences of their token means."""
     clip_low: float = 0.2
-    """PPO ratio clip below 1 (ratio >= 1 - clip_low)."""
+    """Ratio clip below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = 0.2
-    """PPO ratio clip above 1 (ratio <= 1 + clip_high)."""
+    """Ratio clip above 1 (ratio <= 1 + clip_high)."""
+    dual_clip: float | None = None
+    """PPO only: for negative advantages the loss is at most -dual_clip * A (> 1; None: off)."""
+    is_mode: Literal["off", "mask", "clip", "truncate"] = "off"
+    """Off-policy correction: weight the loss by trainer-old / behaviour probabilities, with
+    weights outside [is_low, is_high] zeroed (mask), clamped (clip) or capped (truncate)."""
+    is_level: Literal["token", "sequence", "geometric"] = "token"
+    """Importance weights per token, per sequence, or the per-token geometric mean."""
+    is_low: float = 0.5
+    """Lower edge of the importance-weight band."""
+    is_high: float = 2.0
+    """Upper edge of the importance-weight band."""
+    kl_coef: float = 0.0
+    """Weight of the KL to a reference model (0: no reference model is built)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator."""
+    kl_in_reward: bool = False
+    """Subtract the KL from the rewards instead of adding it to the loss."""
+    reference: str = ""
+    """Reference model for the KL (HF folder). Empty: the starting policy."""
+    teacher: str = ""
+    """on_policy_distill: the teacher (HF folder sharing the policy's tokenizer)."""
+    gamma: float = 1.0
+    """gae: discount per generated token."""
+    lam: float = 1.0
+    """gae: lambda."""
+    critic_lr: float = 1e-3
+    """gae: the critic's learning rate."""
+    value_clip: float = 0.2
+    """gae: clip of the critic's value change per step."""
+    dynamic_filter: bool = False
+    """Drop groups whose rewards are all equal (no learning signal) before training."""
 
 
 @dataclass
@@ -197,9 +246,20 @@ class Config:
         if r.max_tokens >= r.max_model_len:
             raise ValueError(f"--rollout.max-tokens ({r.max_tokens}) must be smaller than "
                              f"--rollout.max-model-len ({r.max_model_len})")
-        if t.num_ranks < 1 or t.micro_batch < 1 or t.steps < 0:
-            raise ValueError("--train.num-ranks and --train.micro-batch must be >= 1, "
+        if t.num_ranks < 1 or t.micro_batch_tokens < 1 or t.steps < 0:
+            raise ValueError("--train.num-ranks and --train.micro-batch-tokens must be >= 1, "
                              "--train.steps >= 0")
+        if t.cpu_offload and t.device != "cuda":
+            raise ValueError("--train.cpu-offload is for GPUs (--train.device cuda); on CPU the "
+                             "weights are in CPU memory already")
+        a = self.algo
+        if a.dual_clip is not None and a.dual_clip <= 1:
+            raise ValueError(f"--algo.dual-clip must be > 1 (got {a.dual_clip})")
+        if not 0 <= a.is_low <= 1 <= a.is_high:
+            raise ValueError("--algo.is-low and --algo.is-high must satisfy 0 <= low <= 1 <= high")
+        if a.estimator == "on_policy_distill" and not a.teacher:
+            raise ValueError("--algo.estimator on_policy_distill needs --algo.teacher (an HF "
+                             "folder sharing the policy's tokenizer)")
         if self.data.prompts_per_step < 1:
             raise ValueError("--data.prompts-per-step must be >= 1")
         if not 0 <= self.algo.clip_low < 1 or self.algo.clip_high < 0:

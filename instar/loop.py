@@ -6,22 +6,24 @@
          tasks ──> Env episodes ──> engine (vLLM, Ray actor, weights v)
                         │  Samples: tokens, loss_mask, behaviour log-probs, versions
                         ▼
-             GRPO advantages (per group of rollouts of one task)
+       advantages per token (--algo.estimator; GRPO by default, per group of rollouts)
                         ▼
-        FSDP2 ranks (Ray actors): PPO-clip loss, global token mean, optimizer step
-                        │  full weights -> safetensors file
+        FSDP2 ranks (Ray actors): policy loss, global token mean, optimizer step
+                        │  each rank's weight shards -> /dev/shm (or NCCL / CUDA IPC)
                         └──────────────> engine.load_weights(v + 1)
 
 One step:
-  1. take `prompts_per_step` tasks; run `group_size` episodes of each on the engine;
-  2. advantages: reward minus the group mean, over the group's std;
+  1. take `prompts_per_step` tasks; run `group_size` episodes of each on the engines;
+  2. `learn`: other models score the tokens where the algorithm needs them (a reference
+     for KL, a teacher for distillation, a critic for GAE); advantages per token;
   3. each rank runs forward/backward on its micro-batches, then one optimizer step;
-  4. the trainer writes its weights, the engine loads them, the version goes up by one;
-  5. engine and trainer score a fixed probe sequence: a mismatch stops the run.
+  4. the engines load the new weights, the version goes up by one;
+  5. engines and trainer score a fixed probe sequence: a mismatch stops the run.
 """
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -29,6 +31,7 @@ import socket
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -40,17 +43,20 @@ from transformers import AutoConfig, AutoTokenizer
 from instar.agents.chat import as_messages, prompt_ids
 from instar.agents.contract import Task
 from instar.agents.loading import load_agent, load_tasks
-from instar.config import Config
+from instar.config import Config, TrainConfig
 from instar.placement import place
 from instar.rollout.engine import launch
 from instar.rollout.runner import Batch, Rollouts
 from instar.sample import Sample, one_per_rollout, write_jsonl
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model, cache_root
-from instar.train.losses import ESTIMATORS
+from instar.train.advantages import informative, sample_advantages
+from instar.train.losses import kl_BT
 from instar.train.worker import Sequence, TrainWorker, shard
 
 console = Console()
+MISMATCH = ("abs_logprob_diff", "k3")
+"""Engine-vs-trainer mismatch of the step's tokens, logged under invariants/."""
 
 
 def free_port() -> int:
@@ -60,47 +66,57 @@ def free_port() -> int:
 
 
 class Trainer:
-    """The group of FSDP2 ranks; every call goes to all of them."""
+    """A group of FSDP2 ranks holding one model: the policy, or a critic (`head="value"`), or a
+    frozen reference or teacher (`frozen=True`). Every call goes to all of its ranks."""
 
-    def __init__(self, cfg: Config, model_path: str, placement: list[dict] | None = None):
+    def __init__(self, cfg: Config, model_path: str, placement: list[dict] | None = None, *,
+                 head: str = "lm", frozen: bool = False, lr: float | None = None):
         t = cfg.train
         master = f"127.0.0.1:{free_port()}"
         default = dict(num_cpus=0, num_gpus=1 if t.device == "cuda" else 0)
         self.workers = [ray.remote(TrainWorker).options(**(placement[r] if placement else default))
                         .remote(r, t.num_ranks, master, model_path, device=t.device,
-                                dtype=cfg.model.dtype, threads=t.threads_per_rank, lr=t.lr,
-                                weight_decay=t.weight_decay, freeze=tuple(t.freeze))
+                                dtype=cfg.model.dtype, threads=t.threads_per_rank,
+                                lr=lr or t.lr, weight_decay=t.weight_decay,
+                                freeze=(".*",) if frozen else tuple(t.freeze), head=head,
+                                activation_checkpointing=t.activation_checkpointing,
+                                cpu_offload=t.cpu_offload)
                         for r in range(t.num_ranks)]
         self.cfg = cfg
 
+    def _shards(self, seqs: list[Sequence]) -> tuple[list[int], list]:
+        """Sorted by length (less padding, even loads), then split over ranks and micro-batches."""
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
+        return order, shard([seqs[i] for i in order], len(self.workers),
+                            self.cfg.train.micro_batch_tokens)
+
     def step(self, seqs: list[Sequence], loss: str, lr: float) -> dict[str, float]:
+        """One optimizer step on `seqs`; the step's loss and stats."""
         c = self.cfg
         num_tokens = sum(sum(s.mask) for s in seqs)
-        shards = shard(seqs, len(self.workers), c.train.micro_batch)
-        per_rank = ray.get([w.train_step.remote(part, loss, num_tokens, c.rollout.temperature,
-                                                c.algo.clip_low, c.algo.clip_high, lr,
-                                                c.train.grad_clip)
-                            for w, part in zip(self.workers, shards)])
-        totals = {k: sum(r.get(k, 0.0) for r in per_rank) for k in per_rank[0]}
-        out = {"loss": totals.pop("loss") / len(self.workers), "grad_norm": per_rank[0]["grad_norm"]}
-        totals.pop("grad_norm")
-        out.update({k: v / num_tokens for k, v in totals.items()})  # token means
+        num_seqs = sum(any(s.mask) for s in seqs)
+        per_rank = ray.get([w.train_step.remote(part, loss, c.algo, num_tokens, num_seqs,
+                                                c.rollout.temperature, lr, c.train.grad_clip)
+                            for w, part in zip(self.workers, self._shards(seqs)[1])])
+        out = {k: sum(r.get(k, 0.0) for r in per_rank) for k in per_rank[0]}
+        out["grad_norm"] = per_rank[0]["grad_norm"]  # the same on every rank
         return out
 
-    def logprobs(self, seqs: list[Sequence], temperature: float) -> list[list[float]]:
-        """Per-token log-probs of `seqs` (in order) under the trainer's current weights."""
-        world = len(self.workers)
-        shards = shard(seqs, world, self.cfg.train.micro_batch)
-        per_rank = ray.get([w.logprobs.remote(part, temperature)
-                            for w, part in zip(self.workers, shards)])
-        out = [None] * len(seqs)
-        for r, rank_out in enumerate(per_rank):
-            out[r::world] = rank_out
-        return out
+    def score(self, seqs: list[Sequence], temperature: float) -> list[list[float]]:
+        """Per-token log-probs (a critic: values) of `seqs`, in order, under the current weights."""
+        order, shards = self._shards(seqs)
+        world, ranked = len(self.workers), [None] * len(seqs)
+        for r, out in enumerate(ray.get([w.score.remote(part, temperature)
+                                         for w, part in zip(self.workers, shards)])):
+            ranked[r::world] = out
+        scores = [None] * len(seqs)
+        for j, i in enumerate(order):
+            scores[i] = ranked[j]
+        return scores
 
     def probe(self, ids: list[int]) -> list[float]:
         """Log-probs of one fixed sequence at temperature 1 (the sync fingerprint)."""
-        return self.logprobs([Sequence(ids, [True] * len(ids), [0.0] * len(ids))], 1.0)[0]
+        return self.score([Sequence(ids, [True] * len(ids), [0.0] * len(ids))], 1.0)[0]
 
     def save_shards(self, folder: str) -> list[str]:
         """Each rank writes its shards of the weights that training changes; the files."""
@@ -193,15 +209,47 @@ def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
     return out
 
 
-def to_sequences(samples: list[Sample], estimator: str) -> list[Sequence]:
-    """Advantages per rollout (a rollout of several segments counts once), then per segment."""
-    rollouts = one_per_rollout(samples)
-    groups = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in rollouts))}
-    adv_B = ESTIMATORS[estimator](torch.tensor([s.reward for s in rollouts]),
-                                  torch.tensor([groups[s.group_id] for s in rollouts]))
-    adv = dict(zip((s.rollout_id for s in rollouts), adv_B.tolist()))
-    return [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs], adv[s.rollout_id])
-            for s in samples]
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warm-up to `t.lr`, then constant or a cosine down to `t.min_lr_ratio * t.lr`."""
+    if step <= t.lr_warmup_steps:
+        return t.lr * step / t.lr_warmup_steps
+    if t.lr_schedule == "constant":
+        return t.lr
+    done = (step - t.lr_warmup_steps) / max(1, t.steps - t.lr_warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * (1 + math.cos(math.pi * done)) / 2)
+
+
+def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], cfg: Config,
+          step: int) -> dict[str, float]:
+    """One update from a step's samples: the other models score them (reference, teacher,
+    critic), advantages per token, then the policy's optimizer step (and the critic's)."""
+    a, temperature = cfg.algo, cfg.rollout.temperature
+    seqs = [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs]) for s in samples]
+    none = [None] * len(seqs)
+    scores = {"logprobs": [q.old_logprobs for q in seqs]}
+    if "teacher" in others:
+        scores["teacher_logprobs"] = others["teacher"].score(seqs, temperature)
+    if "critic" in others:
+        scores["values"] = others["critic"].score(seqs, temperature)
+    ref = others["reference"].score(seqs, temperature) if "reference" in others else none
+    penalty = [(a.kl_coef * kl_BT(torch.tensor(q.old_logprobs), torch.tensor(r),
+                                  a.kl_estimator)).tolist() for q, r in zip(seqs, ref)] \
+        if "reference" in others and a.kl_in_reward else None
+    adv, returns = sample_advantages(samples, a.estimator, scores, penalty, a.gamma, a.lam)
+    old = trainer.score(seqs, temperature) if a.is_mode != "off" else none
+    seqs = [replace(q, advantages=ad, trainer_logprobs=o, ref_logprobs=rf)
+            for q, ad, o, rf in zip(seqs, adv, old, ref)]
+    stats = trainer.step(seqs, "pg", lr_at(step, cfg.train))
+    stats["lr"] = lr_at(step, cfg.train)
+    if "critic" in others:
+        stats["critic_loss"] = others["critic"].step(
+            [replace(q, returns=rt, old_values=v) for q, rt, v in zip(seqs, returns, scores["values"])],
+            "value", a.critic_lr)["loss"]
+    if "teacher" in others:  # reverse KL to the teacher on the student's own tokens
+        diffs = [b - t for q, tl in zip(seqs, scores["teacher_logprobs"])
+                 for b, t, m in zip(q.old_logprobs, tl, q.mask) if m]
+        stats["teacher_kl"] = mean(diffs)
+    return stats
 
 
 def mean(xs) -> float:
@@ -247,6 +295,13 @@ def run(cfg: Config) -> dict:
     sleeps = r.placement == "colocated" and t.device == "cuda"  # engines free the GPU to train
     probe = prompt_ids(tokenizer, as_messages(train_tasks[0].prompt), None)
     verify_weights(engines, probe, trainer.probe(probe), r.sync_check_tol)  # same start
+    algo, others = cfg.algo, {}  # other models, built only when the algorithm needs them
+    if algo.kl_coef > 0:
+        others["reference"] = Trainer(cfg, algo.reference or str(model_path), frozen=True)
+    if algo.estimator == "on_policy_distill":
+        others["teacher"] = Trainer(cfg, algo.teacher, frozen=True)
+    if algo.estimator == "gae":
+        others["critic"] = Trainer(cfg, str(model_path), head="value", lr=algo.critic_lr)
     a = cfg.agent
     rollouts = Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_path.name,
                         max_model_len=r.max_model_len,
@@ -290,11 +345,17 @@ def run(cfg: Config) -> dict:
             if not samples:
                 raise RuntimeError(f"step {step}: every rollout failed ({dict(result.failed)}); "
                                    f"see {failures_file.name}")
+            episodes = one_per_rollout(samples)
+            if algo.dynamic_filter:
+                samples = informative(samples)
+                if not samples:
+                    console.log(f"step {step}: every group had equal rewards; no update")
+                    continue
             t1 = time.time()
             engine_stats = ray.get([e.stats.remote() for e in engines])
             if sleeps:
                 ray.get([e.sleep.remote() for e in engines])
-            stats = trainer.step(to_sequences(samples, cfg.algo.estimator), "pg", cfg.train.lr)
+            stats = learn(samples, trainer, others, cfg, step)
             if sleeps:
                 ray.get([e.wake_up.remote() for e in engines])
             t2 = time.time()
@@ -302,7 +363,6 @@ def run(cfg: Config) -> dict:
                                       r.transport)
             t3 = time.time()
             gen_tokens = sum(s.num_generated for s in samples)
-            episodes = one_per_rollout(samples)
             info_keys = {k for s in episodes for k, v in s.info.items()
                          if isinstance(v, int | float) and not isinstance(v, bool)}
             m = {"step": step, "rollout/reward": mean(s.reward for s in episodes),
@@ -312,9 +372,8 @@ def run(cfg: Config) -> dict:
                  "rollout/restarted": result.restarted,
                  **{f"engine/{i}/{k}": v for i, s in enumerate(engine_stats) for k, v in s.items()},
                  **{f"rollout/failed/{k}": v for k, v in result.failed.items()},
-                 "train/loss": stats["loss"], "train/grad_norm": stats["grad_norm"],
-                 "train/clip_frac": stats["clip_frac"],
-                 "invariants/abs_logprob_diff": stats["abs_logprob_diff"],
+                 **{f"train/{k}": v for k, v in stats.items() if k not in MISMATCH},
+                 **{f"invariants/{k}": stats[k] for k in MISMATCH},
                  "invariants/sync_probe_diff": probe_diff,
                  "timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
                  "perf/gen_tokens_per_s": gen_tokens / (t1 - t0)}
@@ -342,7 +401,8 @@ def run(cfg: Config) -> dict:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     rollouts.close()
     ray.get([e.shutdown.remote() for e in engines])
-    trainer.shutdown()
+    for group in [trainer, *others.values()]:
+        group.shutdown()
     ray.shutdown()
     shutil.rmtree(weights, ignore_errors=True)
     return summary

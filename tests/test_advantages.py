@@ -89,3 +89,41 @@ def test_dynamic_filter_drops_groups_of_equal_rewards():
     groups = torch.tensor([0, 0, 1, 1, 2, 3, 3, 3])
     assert dynamic_filter(rewards, groups).tolist() == [False, False, True, True,
                                                         False, False, False, False]
+
+
+def test_informative_keeps_groups_with_different_rewards_and_whole_rollouts():
+    from instar.sample import Sample
+    from instar.train.advantages import informative
+
+    def sample(rollout, group, reward, segment=0):
+        return Sample(rollout_id=rollout, group_id=group, segment=segment, tokens=[1, 2],
+                      loss_mask=[False, True], logprobs=[None, -0.5], versions=[None, 0],
+                      reward=reward, finish_reason="stop")
+    samples = [sample("a0", "a", 1.0), sample("a0", "a", 1.0, 1), sample("a1", "a", 0.0),
+               sample("b0", "b", 0.5), sample("b1", "b", 0.5)]
+    kept = informative(samples)
+    assert [(s.rollout_id, s.segment) for s in kept] == [("a0", 0), ("a0", 1), ("a1", 0)]
+
+
+def test_sample_advantages_count_a_rollout_once_and_use_per_turn_rewards():
+    from instar.sample import Sample
+    from instar.train.advantages import sample_advantages
+
+    def sample(rollout, reward, segment=0, mask=(False, True, True), info=None):
+        n = len(mask)
+        return Sample(rollout_id=rollout, group_id="g", segment=segment, tokens=[1] * n,
+                      loss_mask=list(mask), logprobs=[-0.5 if m else None for m in mask],
+                      versions=[0 if m else None for m in mask], reward=reward,
+                      finish_reason="stop", info=info or {})
+    # rollout a0 has two segments: one row of the group, not two
+    samples = [sample("a0", 1.0), sample("a0", 1.0, 1), sample("a1", 0.0)]
+    per_token = {"logprobs": [[lp or 0.0 for lp in s.logprobs] for s in samples]}
+    adv, returns = sample_advantages(samples, "grpo", per_token)
+    # group rewards [1, 0]: mean 0.5, std 0.5 -> +1 on a0's generated tokens, -1 on a1's
+    assert [[round(v, 4) for v in a] for a in adv] == [[0, 1, 1], [0, 1, 1], [0, -1, -1]]
+    assert returns is None
+    # per-turn rewards 0.25 then 0.5 on two generated spans: reward-to-go 0.75, then 0.5
+    env = sample("e0", 0.75, mask=(False, True, False, True),
+                 info={"turn_rewards": [0.25, 0.5]})
+    adv, _ = sample_advantages([env], "reinforce", {"logprobs": [[0.0, -0.5, 0.0, -0.5]]})
+    assert adv == [[0.0, 0.75, 0.0, 0.5]]

@@ -61,7 +61,7 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
         trained.tie_weights()
         old = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         after = generate_all(engine, tokenizer)
-        trainer_lp = trainer.logprobs([Sequence(p + g.token_ids, [True] * (len(p) + len(g.token_ids)),
+        trainer_lp = trainer.score([Sequence(p + g.token_ids, [True] * (len(p) + len(g.token_ids)),
                                                 [0.0] * (len(p) + len(g.token_ids))) for p, g in after],
                                       temperature=0.8)
         for (prompt, gen), lp in zip(after, trainer_lp):

@@ -102,5 +102,5 @@ def test_token_budget(engine, tokenizer):
 
     class Budget(TwoTurns):
         max_tokens = prompt_len + 3
-    s = episode(engine, tokenizer, Budget())
+    s = episode(engine, tokenizer, Budget(), {**SAMPLING, "ignore_eos": True})  # never short
     assert s.num_generated == 3 and len(s.tokens) == prompt_len + 3

@@ -3,14 +3,14 @@ import math
 import pytest
 import torch
 
+from instar.config import AlgoConfig
 from instar.train.losses import (
-    ESTIMATORS,
     cispo_loss,
     gspo_loss,
     importance_weights,
     kl_BT,
     mismatch_metrics,
-    pg_clip_loss,
+    policy_loss,
     ppo_clip_loss,
     seq_mean,
     sft_loss,
@@ -21,33 +21,47 @@ from instar.train.losses import (
 from instar.train.worker import Sequence, shard
 
 
-def test_loops_grpo_shim_hand_computed():
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 4.0])
-    groups = torch.tensor([0, 0, 1, 1, 2, 2])
-    adv = ESTIMATORS["grpo"](rewards, groups)
-    # group 0: mean 0.5, std 0.5 -> +1, -1; group 1: equal rewards -> 0; group 2: mean 3, std 1
-    expected = torch.tensor([1.0, -1.0, 0.0, 0.0, -1.0, 1.0])
-    assert torch.allclose(adv, expected, atol=1e-5)
+def pg(logp, old, adv_B, mask, **algo):
+    b = {"mask": mask, "old_logprobs": old, "advantages": adv_B[:, None] * mask}
+    return policy_loss(logp, b, AlgoConfig(**algo), num_tokens=6, num_seqs=1)
 
 
-def test_pg_clip_loss_matches_the_formula():
+def test_policy_loss_ppo_matches_the_formula():
     logp = torch.tensor([[0.0, -1.0, -0.2, -3.0]])
     old = torch.tensor([[0.0, -1.5, -0.2, -2.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
-    adv = torch.tensor([2.0])
-    loss, stats = pg_clip_loss(logp, old, adv, mask, 0.2, 0.3, num_tokens=6)
+    loss, stats = pg(logp, old, torch.tensor([2.0]), mask, clip_low=0.2, clip_high=0.3)
     r = [math.exp(0.5), 1.0, math.exp(-1.0)]
     per_token = [-min(x * 2.0, min(max(x, 0.8), 1.3) * 2.0) for x in r]
     assert math.isclose(loss.item(), sum(per_token) / 6, rel_tol=1e-6)
-    assert stats["clip_frac"] == 2  # exp(0.5) > 1.3 and exp(-1) < 0.8
-    assert math.isclose(stats["abs_logprob_diff"], 0.5 + 0.0 + 1.0, rel_tol=1e-6)
+    assert math.isclose(stats["clip_frac"], 2 / 6)  # exp(0.5) > 1.3 and exp(-1) < 0.8
+    assert math.isclose(stats["abs_logprob_diff"], (0.5 + 0.0 + 1.0) / 6, rel_tol=1e-6)
+    # sequence aggregation: the mean over the sequence's 3 tokens, over 1 sequence
+    loss, _ = pg(logp, old, torch.tensor([2.0]), mask, clip_low=0.2, clip_high=0.3,
+                 aggregation="sequence")
+    assert math.isclose(loss.item(), sum(per_token) / 3, rel_tol=1e-6)
 
 
-def test_negative_advantage_clips_from_below():
+def test_policy_loss_negative_advantage_clips_from_below():
     logp, old = torch.tensor([[0.0, -3.0]]), torch.tensor([[0.0, -1.0]])
-    loss, _ = pg_clip_loss(logp, old, torch.tensor([-1.0]), torch.tensor([[0.0, 1.0]]), 0.2, 0.2, 1)
-    # ratio e^-2 < 0.8: min(r*A, clip(r)*A) = min(-0.135, -0.8) = -0.8 -> loss 0.8 (no gradient)
-    assert math.isclose(loss.item(), 0.8, rel_tol=1e-6)
+    loss, _ = pg(logp, old, torch.tensor([-1.0]), torch.tensor([[0.0, 1.0]]))
+    # ratio e^-2 < 0.8: min(r*A, clip(r)*A) = min(-0.135, -0.8) = -0.8 -> loss 0.8/6
+    assert math.isclose(loss.item(), 0.8 / 6, rel_tol=1e-6)
+
+
+def test_policy_loss_off_policy_correction_and_kl_term():
+    mask = torch.tensor([[1.0, 1.0]])
+    logp = torch.tensor([[-1.0, -1.0]])
+    b = {"mask": mask, "old_logprobs": torch.tensor([[-1.0, -1.0]]),
+         "trainer_logprobs": torch.tensor([[-1.0, 1.0]]),  # weights exp(0)=1, exp(2)=7.39
+         "ref_logprobs": torch.tensor([[-1.5, -1.0]]), "advantages": torch.tensor([[1.0, 1.0]])}
+    algo = AlgoConfig(is_mode="truncate", is_high=2.0, kl_coef=0.1, kl_estimator="k1")
+    loss, stats = policy_loss(logp, b, algo, num_tokens=2, num_seqs=1)
+    # ratios vs trainer-old: 1 and e^-2; with A = 1 PPO takes min(r, clip(r)): losses -1 and
+    # -e^-2; IS weights exp(0) = 1 and exp(2) truncated to 2; k1 = logp - ref = 0.5, 0
+    # -> (-1 * 1 + 0.1 * 0.5 - e^-2 * 2 + 0) / 2
+    assert math.isclose(loss.item(), (-1.0 + 0.05 - 2 * math.exp(-2)) / 2, rel_tol=1e-6)
+    assert stats["is_filtered"] == 0.5 and math.isclose(stats["kl"], 0.25)
 
 
 def test_token_logprobs_shift_and_temperature():
@@ -66,10 +80,13 @@ def test_sft_loss_is_a_token_mean():
 
 def test_shard_gives_every_rank_the_same_number_of_micro_batches():
     seqs = [Sequence([i, i], [False, True], [0.0, -1.0]) for i in range(5)]
-    parts = shard(seqs, world=2, micro_batch=2)
+    parts = shard(seqs, world=2, budget=4)  # 4 padded tokens: two sequences of 2
     assert [len(p) for p in parts] == [2, 2]
     assert [[s.tokens[0] for s in mb] for mb in parts[0]] == [[0, 2], [4]]
     assert [[s.tokens[0] for s in mb] for mb in parts[1]] == [[1, 3], []]
+    # a budget counts padding: lengths 1, 1, 3 pack as [1, 1] and [3]; a longer one goes alone
+    seqs = [Sequence([0] * n, [True] * n, [0.0] * n) for n in (1, 1, 3, 9)]
+    assert [[len(s.tokens) for s in mb] for mb in shard(seqs, 1, 4)[0]] == [[1, 1], [3], [9]]
 
 
 def test_aggregations():

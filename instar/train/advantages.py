@@ -157,3 +157,78 @@ def dynamic_filter(rewards_B: torch.Tensor, group_B: torch.Tensor) -> torch.Tens
     """keep_B: False for every rollout of a group whose rewards are all equal (no signal)."""
     same_BB = group_B[:, None] == group_B[None, :]
     return (same_BB & (rewards_B[:, None] != rewards_B[None, :])).any(1)
+
+
+# -- from samples ---------------------------------------------------------------------------
+
+def turn_rewards(s) -> list[float]:
+    """A Sample's per-turn rewards on the last token of each generated span, if the agent
+    reported one per span (`info["turn_rewards"]`); otherwise an empty list."""
+    ends = [i for i, m in enumerate(s.loss_mask) if m and (i + 1 == len(s.loss_mask)
+                                                          or not s.loss_mask[i + 1])]
+    given = s.info.get("turn_rewards", [])
+    if len(given) != len(ends):
+        return []
+    out = [0.0] * len(s.tokens)
+    for i, r in zip(ends, given):
+        out[i] = r
+    return out
+
+
+def sample_advantages(samples: list, estimator_name: str, per_token: dict[str, list[list[float]]],
+                      kl_penalty: list[list[float]] | None = None, gamma: float = 1.0,
+                      lam: float = 1.0) -> tuple[list[list[float]], list[list[float]] | None]:
+    """Per-token advantages of each Sample, and the critic's value targets for gae (else None).
+
+    A rollout is one row (its segments concatenated), so it counts once in its group.
+    `per_token` holds, per Sample, "logprobs" (behaviour) and where needed "values" (critic)
+    and "teacher_logprobs". `kl_penalty` (per Sample, per token, already scaled) is taken
+    out of the rewards: from the per-token rewards and from the rollout's total.
+    """
+    rows: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        rows.setdefault(s.rollout_id, []).append(i)
+    T = max(sum(len(samples[i].tokens) for i in idx) for idx in rows.values())
+
+    def stack(per_sample) -> torch.Tensor:
+        flat = [[v for i in idx for v in per_sample[i]] for idx in rows.values()]
+        return torch.tensor([r + [0.0] * (T - len(r)) for r in flat], dtype=torch.float32)
+
+    firsts = [samples[idx[0]] for idx in rows.values()]
+    groups = {g: k for k, g in enumerate(dict.fromkeys(s.group_id for s in firsts))}
+    mask_BT = stack([[float(m) for m in s.loss_mask] for s in samples])
+    turns = [turn_rewards(s) for s in samples]
+    token_rewards_BT = stack(turns) if all(turns) else None
+    rewards_B = torch.tensor([s.reward for s in firsts])
+    group_B = torch.tensor([groups[s.group_id] for s in firsts])
+    if kl_penalty is not None:
+        kl_BT = stack(kl_penalty) * mask_BT
+        token_rewards_BT = rewards_BT(AdvantageInputs(rewards_B, group_B, mask_BT,
+                                                      token_rewards_BT)) - kl_BT
+        rewards_B = rewards_B - kl_BT.sum(1)
+    x = AdvantageInputs(rewards_B, group_B, mask_BT, token_rewards_BT, values_BT=stack(per_token["values"])
+                        if "values" in per_token else None,
+                        logprobs_BT=stack(per_token["logprobs"]),
+                        teacher_logprobs_BT=stack(per_token["teacher_logprobs"])
+                        if "teacher_logprobs" in per_token else None, gamma=gamma, lam=lam)
+    adv_BT = ESTIMATORS[estimator_name](x)
+    returns_BT = gae_returns(x) if estimator_name == "gae" else None
+
+    def unstack(x_BT: torch.Tensor) -> list[list[float]]:
+        out: list = [None] * len(samples)
+        for row, idx in zip(x_BT.tolist(), rows.values()):
+            at = 0
+            for i in idx:
+                out[i], at = row[at:at + len(samples[i].tokens)], at + len(samples[i].tokens)
+        return out
+    return unstack(adv_BT), None if returns_BT is None else unstack(returns_BT)
+
+
+def informative(samples: list) -> list:
+    """The Samples of groups whose rollouts' rewards are not all equal (`dynamic_filter`)."""
+    firsts = list({s.rollout_id: s for s in samples}.values())
+    groups = {g: k for k, g in enumerate(dict.fromkeys(s.group_id for s in firsts))}
+    keep_B = dynamic_filter(torch.tensor([s.reward for s in firsts]),
+                            torch.tensor([groups[s.group_id] for s in firsts]))
+    kept = {s.rollout_id for s, k in zip(firsts, keep_B.tolist()) if k}
+    return [s for s in samples if s.rollout_id in kept]

@@ -10,8 +10,6 @@ step's scalar. Off-policy weights from `importance_weights` multiply `loss_BT` f
 import torch
 import torch.nn.functional as F
 
-from instar.train.advantages import AdvantageInputs, grpo
-
 
 def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor,
                    temperature: float) -> torch.Tensor:
@@ -99,24 +97,6 @@ POLICY_LOSSES = {"ppo": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 -> (loss_BT, clipped_BT)."""
 
 
-def pg_clip_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, adv_B: torch.Tensor,
-                 mask_BT: torch.Tensor, clip_low: float, clip_high: float,
-                 num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip loss with one advantage per sequence, summed over tokens / `num_tokens`.
-
-    `num_tokens` counts the loss tokens of the whole step on all ranks, so the loss is a
-    global token mean however the batch is split into ranks and micro-batches.
-    """
-    loss_BT, clipped_BT = ppo_clip_loss(logprobs_BT, old_logprobs_BT,
-                                        adv_B[:, None].expand_as(logprobs_BT), mask_BT,
-                                        clip_low, clip_high)
-    with torch.no_grad():
-        m = mask_BT.bool()
-        stats = {"clip_frac": (clipped_BT & m).sum().item(),
-                 "abs_logprob_diff": (logprobs_BT - old_logprobs_BT).abs()[m].sum().item()}
-    return token_mean(loss_BT, mask_BT, num_tokens), stats
-
-
 def sft_loss(logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
              num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Negative log-likelihood of the masked tokens, as a global token mean."""
@@ -180,7 +160,34 @@ def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT:
     return torch.maximum((values_BT - returns_BT) ** 2, (clipped_BT - returns_BT) ** 2) / 2
 
 
-# loop.py still imports ESTIMATORS from here and calls it as (rewards_B, group_B) -> adv_B;
-# this shim keeps that working until loop.py uses instar.train.advantages.ESTIMATORS.
-ESTIMATORS = {"grpo": lambda rewards_B, group_B: grpo(
-    AdvantageInputs(rewards_B, group_B, torch.ones(len(rewards_B), 1)))[:, 0]}
+def policy_loss(logprobs_BT: torch.Tensor, b: dict[str, torch.Tensor], a, num_tokens: int,
+                num_seqs: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """The RL loss `a` (an AlgoConfig) describes, on one micro-batch `b` (see
+    TrainWorker._batch), as this micro-batch's share of the step's scalar:
+
+      1. the policy loss per token against the old log-probs: the engine's (behaviour), or
+         the trainer's own before the update when off-policy correction is on;
+      2. off-policy correction: times importance weights trainer-old / behaviour;
+      3. KL to a reference model as a loss term, if asked for;
+      4. aggregated over tokens or sequences of the whole step.
+
+    Stats are this micro-batch's shares of step means (they sum over micro-batches and ranks).
+    """
+    mask_BT, behaviour_BT = b["mask"], b["old_logprobs"]
+    corrected = a.is_mode != "off"
+    old_BT = b["trainer_logprobs"] if corrected else behaviour_BT
+    extra = {"dual_clip": a.dual_clip} if a.policy_loss == "ppo" else {}
+    loss_BT, clipped_BT = POLICY_LOSSES[a.policy_loss](logprobs_BT, old_BT, b["advantages"],
+                                                       mask_BT, a.clip_low, a.clip_high, **extra)
+    stats = mismatch_metrics(logprobs_BT.detach(), behaviour_BT, mask_BT, num_tokens)
+    stats["clip_frac"] = (clipped_BT & mask_BT.bool()).sum().item() / num_tokens
+    if corrected:
+        w_BT, stats["is_filtered"] = importance_weights(old_BT, behaviour_BT, mask_BT, a.is_level,
+                                                        a.is_mode, a.is_low, a.is_high, num_tokens)
+        loss_BT = loss_BT * w_BT
+    if a.kl_coef > 0 and not a.kl_in_reward:
+        kl_term_BT = kl_BT(logprobs_BT, b["ref_logprobs"], a.kl_estimator)
+        stats["kl"] = token_mean(kl_term_BT.detach(), mask_BT, num_tokens).item()
+        loss_BT = loss_BT + a.kl_coef * kl_term_BT
+    count = num_tokens if a.aggregation == "token" else num_seqs
+    return AGGREGATIONS[a.aggregation](loss_BT, mask_BT, count), stats

@@ -15,33 +15,57 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from instar.train.losses import pg_clip_loss, sft_loss, token_logprobs
+from instar.config import AlgoConfig
+from instar.train.losses import policy_loss, sft_loss, token_logprobs, token_mean, value_loss
 
 
 @dataclass(frozen=True, slots=True)
 class Sequence:
-    """One training sequence as the trainer needs it (built from a Sample)."""
+    """One training sequence as the trainer needs it (built from a Sample). Per-token lists
+    have the length of `tokens` and hold 0.0 where `mask` is False."""
 
     tokens: list[int]
     mask: list[bool]
     old_logprobs: list[float]
-    """Behaviour log-probs; 0.0 where `mask` is False (and unused for SFT)."""
-    advantage: float = 0.0
+    """Behaviour log-probs: the engine's (unused for SFT)."""
+    advantages: list[float] | None = None
+    trainer_logprobs: list[float] | None = None
+    """The trainer's log-probs before the update (off-policy correction)."""
+    ref_logprobs: list[float] | None = None
+    """A frozen reference model's log-probs (KL as a loss term)."""
+    returns: list[float] | None = None
+    """Value targets (critic)."""
+    old_values: list[float] | None = None
+    """The critic's values before the update (value clipping)."""
 
 
-def shard(seqs: list[Sequence], world: int, micro_batch: int) -> list[list[list[Sequence]]]:
-    """Split into [rank][micro-batch][sequence], with the same micro-batch count on every rank.
+PER_TOKEN = ("old_logprobs", "advantages", "trainer_logprobs", "ref_logprobs", "returns",
+             "old_values")
+EMPTY = Sequence([0, 0], [False, False], *[[0.0, 0.0]] * len(PER_TOKEN))
+"""Stands in for a rank's empty micro-batch: keeps collectives in step, adds no loss."""
 
-    A rank with nothing left gets an empty micro-batch; it still runs a forward and backward
-    so FSDP2's collectives line up.
-    """
-    per_rank = [seqs[r::world] for r in range(world)]
-    n_micro = max(1, -(-max(len(p) for p in per_rank) // micro_batch))
-    return [[p[i * micro_batch:(i + 1) * micro_batch] for i in range(n_micro)] for p in per_rank]
+
+def shard(seqs: list[Sequence], world: int, budget: int) -> list[list[list[Sequence]]]:
+    """Split into [rank][micro-batch][sequence]: rank r takes every world-th sequence, and packs
+    them, in order, into micro-batches of at most `budget` padded tokens (a longer sequence
+    goes alone). Every rank gets the same number of micro-batches, padded with empty ones
+    that still run a forward and backward, so FSDP2's collectives line up. Callers sort by
+    length first, so padding stays small and ranks get similar loads."""
+    per_rank = []
+    for r in range(world):
+        batches: list[list[Sequence]] = [[]]
+        for s in seqs[r::world]:
+            longest = max([len(x.tokens) for x in batches[-1]] + [len(s.tokens)])
+            if batches[-1] and longest * (len(batches[-1]) + 1) > budget:
+                batches.append([])
+            batches[-1].append(s)
+        per_rank.append(batches)
+    n = max(len(b) for b in per_rank)
+    return [b + [[] for _ in range(n - len(b))] for b in per_rank]
 
 
 def sync_unit(name: str) -> str:
@@ -60,67 +84,88 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 class TrainWorker:
-    """Ray actor: holds one rank's shard of the policy and its optimizer."""
+    """Ray actor: holds one rank's shard of a model and its optimizer. `head="value"` makes
+    it a critic (one value per token); with every parameter frozen it is a reference or a
+    teacher (log-probs only, no optimizer)."""
 
     def __init__(self, rank: int, world: int, master: str, model_path: str, *, device: str,
                  dtype: str, threads: int, lr: float, weight_decay: float,
-                 freeze: tuple[str, ...] = ()):
+                 freeze: tuple[str, ...] = (), head: str = "lm",
+                 activation_checkpointing: bool = False, cpu_offload: bool = False):
         torch.set_num_threads(threads)
         self.rank, self.world = rank, world
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         dist.init_process_group("nccl" if device == "cuda" else "gloo",
                                 init_method=f"tcp://{master}", rank=rank, world_size=world)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        auto = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
+        model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype),
+                                     **({} if head == "lm" else {"num_labels": 1}))
         model.to(self.device)
         for name, p in model.named_parameters():
             if any(re.search(pattern, name) for pattern in freeze):
                 p.requires_grad_(False)
+        if activation_checkpointing:  # recompute each decoder layer in the backward
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        offload = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        self.model = model
+            fully_shard(layer, **offload)
+        fully_shard(model, **offload)
+        self.model, self.head = model, head
         self.tied = model.config.tie_word_embeddings
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+        self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay) if trainable else None
         # Engines start from the same checkpoint, so only what training changes is synced.
         changing = {sync_unit(n) for n, p in model.named_parameters() if p.requires_grad}
         self.sync_names = [n for n in model.state_dict() if sync_unit(n) in changing
                            and not (self.tied and n == "lm_head.weight")]
 
-    def _batch(self, seqs: list[Sequence]):
-        if not seqs:  # keeps collectives in step; contributes nothing to the loss
-            seqs = [Sequence(tokens=[0, 0], mask=[False, False], old_logprobs=[0.0, 0.0])]
+    def _batch(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        """Right-padded tensors: tokens, attn, mask and each per-token field the sequences have."""
+        seqs = seqs or [EMPTY]
         T = max(len(s.tokens) for s in seqs)
-        pad = lambda xs, v: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
-        to = lambda x, dt: torch.tensor(x, dtype=dt, device=self.device)  # noqa: E731
-        return (to(pad([s.tokens for s in seqs], 0), torch.long),
-                to(pad([s.mask for s in seqs], False), torch.float32),
-                to(pad([s.old_logprobs for s in seqs], 0.0), torch.float32),
-                to([s.advantage for s in seqs], torch.float32),
-                to(pad([[1] * len(s.tokens) for s in seqs], 0), torch.long))
 
-    def train_step(self, micro_batches: list[list[Sequence]], loss: str, num_tokens: int,
-                   temperature: float, clip_low: float, clip_high: float, lr: float,
+        def column(rows, dtype):
+            return torch.tensor([r + [0] * (T - len(r)) for r in rows], dtype=dtype,
+                                device=self.device)
+        b = {"tokens": column([s.tokens for s in seqs], torch.long),
+             "attn": column([[1] * len(s.tokens) for s in seqs], torch.long),
+             "mask": column([s.mask for s in seqs], torch.float32)}
+        for name in PER_TOKEN:
+            if getattr(seqs[0], name) is not None:
+                b[name] = column([getattr(s, name) for s in seqs], torch.float32)
+        return b
+
+    def _forward(self, b: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        """Log-probs of the tokens (policy) or values (critic), [B, T]."""
+        logits = self.model(input_ids=b["tokens"], attention_mask=b["attn"]).logits
+        return logits[..., 0] if self.head == "value" else token_logprobs(logits, b["tokens"],
+                                                                          temperature)
+
+    def train_step(self, micro_batches: list[list[Sequence]], loss: str, algo: AlgoConfig,
+                   num_tokens: int, num_seqs: int, temperature: float, lr: float,
                    grad_clip: float) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; returns token-summed stats."""
+        """One optimizer step over this rank's micro-batches. `loss`: "pg" (the policy loss
+        `algo` describes), "sft" or "value" (critic). Returns this rank's shares of the step's
+        loss and stats: summed over ranks they are the step's values."""
         self.model.train()
         for group in self.opt.param_groups:
             group["lr"] = lr
         totals: dict[str, float] = {"loss": 0.0}
         for seqs in micro_batches:
-            ids_BT, mask_BT, old_BT, adv_B, attn_BT = self._batch(seqs)
-            logits = self.model(input_ids=ids_BT, attention_mask=attn_BT).logits
-            logprobs_BT = token_logprobs(logits, ids_BT, temperature)
+            b = self._batch(seqs)
+            out_BT = self._forward(b, temperature)
             if loss == "pg":
-                value, stats = pg_clip_loss(logprobs_BT, old_BT, adv_B, mask_BT,
-                                            clip_low, clip_high, num_tokens)
+                value, stats = policy_loss(out_BT, b, algo, num_tokens, num_seqs)
+            elif loss == "sft":
+                value, stats = sft_loss(out_BT, b["mask"], num_tokens)
             else:
-                value, stats = sft_loss(logprobs_BT, mask_BT, num_tokens)
-            (value * self.world).backward()
+                value, stats = token_mean(value_loss(out_BT, b["old_values"], b["returns"],
+                                                     algo.value_clip), b["mask"], num_tokens), {}
+            (value * self.world).backward()  # FSDP2 averages gradients over ranks
             totals["loss"] += value.item()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                               grad_clip if grad_clip > 0 else float("inf"))
         totals["grad_norm"] = norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item()
         self.opt.step()
@@ -128,15 +173,13 @@ class TrainWorker:
         return totals
 
     @torch.no_grad()
-    def logprobs(self, micro_batches: list[list[Sequence]], temperature: float) -> list[list[float]]:
-        """Per-token log-probs of this rank's sequences under the current weights."""
+    def score(self, micro_batches: list[list[Sequence]], temperature: float) -> list[list[float]]:
+        """Per-token log-probs (policy) or values (critic) of this rank's sequences."""
         self.model.eval()
         out = []
         for seqs in micro_batches:
-            ids_BT, _, _, _, attn_BT = self._batch(seqs)
-            logits = self.model(input_ids=ids_BT, attention_mask=attn_BT).logits
-            logprobs_BT = token_logprobs(logits, ids_BT, temperature).cpu()
-            out += [logprobs_BT[i, :len(s.tokens)].tolist() for i, s in enumerate(seqs)]
+            out_BT = self._forward(self._batch(seqs), temperature).float().cpu()
+            out += [out_BT[i, :len(s.tokens)].tolist() for i, s in enumerate(seqs)]
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
