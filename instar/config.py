@@ -188,6 +188,13 @@ class AlgoConfig:
 class CheckpointConfig:
     save_final: bool = True
     """Export the trained model as a Hugging Face folder `final/` in the run directory."""
+    every: int = 0
+    """Save a checkpoint (sharded model, optimizer, RNG, data position) every this many steps
+    into the run directory's `checkpoints/` (0: never)."""
+    keep: int = 2
+    """Checkpoints kept (the newest)."""
+    resume: bool = False
+    """Continue from the newest checkpoint of the run directory (`--logging.name` names it)."""
 
 
 @dataclass
@@ -252,6 +259,12 @@ class Config:
         if t.cpu_offload and t.device != "cuda":
             raise ValueError("--train.cpu-offload is for GPUs (--train.device cuda); on CPU the "
                              "weights are in CPU memory already")
+        c = self.checkpoint
+        if c.every < 0 or c.keep < 1:
+            raise ValueError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
+        if c.resume and not self.logging.name:
+            raise ValueError("--checkpoint.resume needs --logging.name: the run directory whose "
+                             "checkpoints/ to continue from")
         a = self.algo
         if a.dual_clip is not None and a.dual_clip <= 1:
             raise ValueError(f"--algo.dual-clip must be > 1 (got {a.dual_clip})")

@@ -50,6 +50,7 @@ from instar.rollout.runner import Batch, Rollouts
 from instar.sample import Sample, one_per_rollout, write_jsonl
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model, cache_root
+from instar.train import checkpoint
 from instar.train.advantages import informative, sample_advantages
 from instar.train.losses import kl_BT
 from instar.train.worker import Sequence, TrainWorker, shard
@@ -121,6 +122,12 @@ class Trainer:
     def save_shards(self, folder: str) -> list[str]:
         """Each rank writes its shards of the weights that training changes; the files."""
         return ray.get([w.save_shard.remote(folder) for w in self.workers])
+
+    def save_checkpoint(self, root: Path, step: int, state: dict, keep: int) -> None:
+        ray.get([w.save_checkpoint.remote(str(root), step, state, keep) for w in self.workers])
+
+    def load_checkpoint(self, path: Path) -> dict:
+        return ray.get([w.load_checkpoint.remote(str(path)) for w in self.workers])[0]
 
     def connect(self, engines: list, transport: str) -> None:
         ray.get([w.connect.remote(engines, transport) for w in self.workers])
@@ -311,9 +318,11 @@ def run(cfg: Config) -> dict:
     eval_sampling = {"temperature": r.eval_temperature, "max_tokens": r.max_tokens}
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # weights to the engine via RAM
     weights = tempfile.mkdtemp(prefix="instar-", dir=shm)
-    rng, order = random.Random(cfg.data.seed), []
-    history, metrics_file, failed = [], open(run_dir / "metrics.jsonl", "w"), Counter()
-    failures_file = open(run_dir / "failed_rollouts.jsonl", "w")
+    rng, order, history, failed = random.Random(cfg.data.seed), [], [], Counter()
+    saved, start = run_dir / "checkpoints", 1
+    resume_from = checkpoint.latest(saved) if cfg.checkpoint.resume else None
+    metrics_file = open(run_dir / "metrics.jsonl", "a" if resume_from else "w")
+    failures_file = open(run_dir / "failed_rollouts.jsonl", "a" if resume_from else "w")
 
     def collect(batch: Batch) -> list[Sample]:
         for err in batch.errors:
@@ -328,12 +337,21 @@ def run(cfg: Config) -> dict:
         samples = collect(rollouts.run(eval_tasks, 1, eval_sampling, tag)) if eval_tasks else []
         return mean(s.reward for s in one_per_rollout(samples))
 
-    summary = {"eval_reward_before": evaluate("eval-before")}
+    if resume_from:  # the trainer's weights, optimizer and RNG, the data position, the log
+        state = trainer.load_checkpoint(resume_from)
+        start, order, history, summary = (state["step"] + 1, state["order"], state["history"],
+                                          state["summary"])
+        rng.setstate(state["rng"])
+        sync_weights(trainer, engines, weights, state["step"], probe, r.sync_check_tol,
+                     r.transport)
+        console.log(f"resumed from {resume_from}: step {start} next")
+    else:
+        summary = {"eval_reward_before": evaluate("eval-before")}
     columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=16),
                TimeElapsedColumn(), TextColumn("{task.description}")]
     with Progress(*columns, console=console, disable=not cfg.logging.progress) as bar:
-        task_bar = bar.add_task("", total=cfg.train.steps)
-        for step in range(1, cfg.train.steps + 1):
+        task_bar = bar.add_task("", total=cfg.train.steps, completed=start - 1)
+        for step in range(start, cfg.train.steps + 1):
             t0 = time.time()
             if len(order) < cfg.data.prompts_per_step:  # next epoch
                 order = list(range(len(train_tasks)))
@@ -382,6 +400,10 @@ def run(cfg: Config) -> dict:
             metrics_file.flush()
             if step == 1:
                 write_jsonl(run_dir / "rollouts.jsonl", samples[:r.group_size])
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                trainer.save_checkpoint(saved, step, {"step": step, "order": order,
+                                                      "rng": rng.getstate(), "history": history,
+                                                      "summary": summary}, cfg.checkpoint.keep)
             bar.update(task_bar, advance=1, description=(
                 f"reward {m['rollout/reward']:.3f} |Δlogp| {m['invariants/abs_logprob_diff']:.0e} "
                 f"{m['perf/gen_tokens_per_s']:.0f} tok/s | rollout {t1 - t0:.1f}s "

@@ -47,7 +47,7 @@ def test_flag_surface_is_frozen():
                    for f in dataclasses.fields(g.type))
     assert names == sorted("""
         agent.config agent.file agent.max_tokens agent.max_turns agent.timeout_s algo.clip_high algo.clip_low algo.estimator algo.policy_loss algo.aggregation algo.dual_clip algo.is_mode algo.is_level algo.is_low algo.is_high algo.kl_coef algo.kl_estimator algo.kl_in_reward algo.reference algo.teacher algo.gamma algo.lam algo.critic_lr algo.value_clip algo.dynamic_filter
-        checkpoint.save_final data.eval data.eval_size data.prompts_per_step data.seed
+        checkpoint.save_final checkpoint.every checkpoint.keep checkpoint.resume data.eval data.eval_size data.prompts_per_step data.seed
         data.train logging.name logging.progress logging.root model.dtype model.kind
         model.path model.seed model.size rollout.eval_temperature rollout.group_size
         rollout.kv_cache_gb rollout.max_model_len rollout.max_tokens rollout.num_engines rollout.sync_check_tol

@@ -104,3 +104,36 @@ def test_on_policy_distillation_against_a_teacher(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:  # a random teacher: the student's tokens are far less likely under it
         assert m["train/teacher_kl"] > 0.1
+
+
+def test_resume_from_a_checkpoint_continues_with_identical_losses(ray_session, tiny_model,
+                                                                  tmp_path):
+    from instar.train import checkpoint
+
+    cfg = Config()
+    steps = [batch(seed=k) for k in range(4)]
+    trainer = Trainer(cfg, str(tiny_model))
+    try:
+        trainer.step(steps[0], "pg", 1e-3)
+        trainer.save_checkpoint(tmp_path, 1, {"step": 1}, keep=2)
+        expected = [trainer.step(s, "pg", 1e-3)["loss"] for s in steps[1:]]
+    finally:
+        trainer.shutdown()
+    resumed = Trainer(cfg, str(tiny_model))  # from the base weights, then the checkpoint
+    try:
+        assert resumed.load_checkpoint(checkpoint.latest(tmp_path)) == {"step": 1}
+        assert [resumed.step(s, "pg", 1e-3)["loss"] for s in steps[1:]] == expected
+    finally:
+        resumed.shutdown()
+
+
+def test_instar_rl_resumes_from_its_last_checkpoint(tmp_path):
+    flags = [*COMMON, "--checkpoint.every", "1", "--checkpoint.keep", "1"]
+    instar(tmp_path, "rl", *flags)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "latest", "step-00000002"]
+    flags[1] = "3"  # --train.steps 3
+    run, metrics = instar(tmp_path, "rl", *flags, "--checkpoint.resume")
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # the first run's two, then one more
+    assert json.loads((run / "summary.json").read_text())["reward_last_step"] == metrics[-1][
+        "rollout/reward"]

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from instar.config import AlgoConfig
+from instar.train import checkpoint
 from instar.train.losses import policy_loss, sft_loss, token_logprobs, token_mean, value_loss
 
 
@@ -211,6 +212,13 @@ class TrainWorker:
         path = Path(folder) / f"rank-{self.rank}.safetensors"
         atomic_save(out, path)
         return str(path)
+
+    def save_checkpoint(self, root: str, step: int, state: dict, keep: int) -> str:
+        """Model, optimizer, RNG and the caller's `state`, sharded, atomically (every rank)."""
+        return str(checkpoint.save(Path(root), step, self.model, self.opt, state, keep))
+
+    def load_checkpoint(self, path: str) -> dict:
+        return checkpoint.load(Path(path), self.model, self.opt)
 
     def connect(self, engines: list, transport: str) -> None:
         """GPU transports through vLLM's weight-transfer engines, one per inference engine:
