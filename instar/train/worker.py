@@ -152,7 +152,9 @@ class TrainWorker:
         for group in self.opt.param_groups:
             group["lr"] = lr
         totals: dict[str, float] = {"loss": 0.0}
-        for seqs in micro_batches:
+        for i, seqs in enumerate(micro_batches):
+            # gradients accumulate unsharded; they are reduce-scattered once, after the last
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             b = self._batch(seqs)
             out_BT = self._forward(b, temperature)
             if loss == "pg":
