@@ -17,7 +17,7 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 run() {  # name, extra flags
   python3 -m instar.cli rl --model.size small --train.device cuda --train.num-ranks 1 \
-    --train.steps 6 --train.warmup-sft-steps 0 --data.eval-size 0 --checkpoint.no-save-final \
+    --train.steps 6 --train.warmup-sft-steps 0 --eval.size 0 --checkpoint.no-save-final \
     --logging.no-progress --rollout.sync-check-tol 1e-3 --logging.root "$out" \
     --logging.name "$1" "${@:2}" > "$out/$1.log" 2>&1 || { tail -30 "$out/$1.log"; exit 1; }
   python3 - "$out/$1/metrics.jsonl" "$1" <<'PY'

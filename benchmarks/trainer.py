@@ -2,10 +2,11 @@
 float32), against a plain single-process transformers loop on the same data, and the model
 FLOPs utilisation against this machine's matmul peak, all measured in one run:
 
-  - plain (measured before and after instar, to even out drift of the machine): one
-    process, all cores, AdamW, forward + token log-probs + backward + step;
+  - plain: one process, all cores, AdamW, forward + token log-probs + backward + step;
   - instar: `Trainer.step` (Ray actors, FSDP2 ranks over gloo), the same sequences, loss and
     optimizer, with the default 2 ranks x 1 thread and with 1 rank x 2 threads;
+  - the three take their steps in turn, round after round, so that the load of a shared
+    machine weighs on all of them alike; ratios are medians of the per-round ratios;
   - peak: the best of a few float32 matmuls (2048^3) on all cores;
   - MFU: 6 x (parameters used per token) + attention, per trained token, over the peak.
 
@@ -16,6 +17,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -28,7 +30,7 @@ from instar.tasks.tiny_model import builtin_model
 from instar.train.losses import sft_loss, token_logprobs
 from instar.train.worker import Sequence
 
-SEQS, LEN, STEPS, WARMUP = 32, 256, 4, 1
+SEQS, LEN, STEPS, WARMUP = 32, 256, 6, 1
 CORES = os.cpu_count()
 
 
@@ -38,59 +40,56 @@ def data(vocab: int) -> list[Sequence]:
     return [Sequence(x, [False] + [True] * (LEN - 1), [0.0] * LEN) for x in ids]
 
 
-def plain(path: Path, seqs: list[Sequence], micro: int) -> list[float]:
-    """Seconds per step of a plain transformers loop over the same sequences."""
-    torch.set_num_threads(CORES)
+def plain(path: Path, seqs: list[Sequence], micro: int) -> Callable[[], None]:
+    """One step of a plain transformers loop over the same sequences, in this process."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.tensor([s.tokens for s in seqs])
     mask = torch.tensor([s.mask for s in seqs], dtype=torch.float32)
     n = int(mask.sum())
-    times = []
-    for _ in range(WARMUP + STEPS):
-        start = time.perf_counter()
+
+    def step():
+        torch.set_num_threads(CORES)
         for i in range(0, SEQS, micro):
             logp = token_logprobs(model(input_ids=ids[i:i + micro]).logits, ids[i:i + micro], 1.0)
             sft_loss(logp, mask[i:i + micro], n)[0].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return times[WARMUP:]
+    return step
 
 
-def instar(path: Path, seqs: list[Sequence], ranks: int, threads: int, budget: int) -> list[float]:
+def instar(path: Path, ranks: int, threads: int, budget: int) -> Trainer:
     cfg = Config()
     cfg.train.num_ranks, cfg.train.threads_per_rank = ranks, threads
     cfg.train.micro_batch_tokens = budget
-    trainer = Trainer(cfg, str(path))
-    times = []
-    for _ in range(WARMUP + STEPS):
-        start = time.perf_counter()
-        trainer.step(seqs, "sft", 1e-4)
-        times.append(time.perf_counter() - start)
-    trainer.shutdown()
-    return times[WARMUP:]
+    return Trainer(cfg, str(path))
 
 
-def matmul_peak() -> float:
+def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
+    """FLOP/s of the best of a few n^3 matmuls on all cores."""
     torch.set_num_threads(CORES)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     best = float("inf")
     for _ in range(6):
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
-    return 2 * 2048**3 / best
+    return 2 * n**3 / best
 
 
-def flops_per_token(path: Path) -> float:
-    """Training FLOPs per token: 6 x the weights a token multiplies (the embedding lookup is
-    free, the tied output layer is not) + causal attention's scores and mixing."""
+def flops_per_token(path: Path, length: int = LEN) -> float:
+    """Training FLOPs per token of a `length`-token sequence: 6 x the weights a token
+    multiplies (the embedding lookup is free, the tied output layer is not) + causal
+    attention's scores and mixing. A forward alone is a third of it. MoE: a token multiplies
+    top-k of the experts' weights."""
     c = AutoConfig.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    with torch.device("meta"):  # shapes only
+        model = AutoModelForCausalLM.from_config(c)
+    used = getattr(c, "num_experts_per_tok", 1) / getattr(c, "num_experts", 1)
+    weights = sum(p.numel() * (used if "experts" in n else 1)
+                  for n, p in model.named_parameters() if "embed_tokens" not in n)
     weights += c.vocab_size * c.hidden_size  # the output layer (tied to the embedding)
-    attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * LEN / 2
+    attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * length / 2
     return 6 * weights + 3 * attention
 
 
@@ -100,26 +99,38 @@ def main():
     tokens = sum(sum(s.mask) for s in seqs)  # trained tokens per step
     micro = 8  # sequences per micro-batch in both
     peak = matmul_peak()
-    plain_times = plain(path, seqs, micro)
     ray.init(num_cpus=CORES, include_dashboard=False, log_to_driver=False)
-    two_ranks_s = statistics.median(instar(path, seqs, 2, 1, micro * LEN))
-    one_rank_s = statistics.median(instar(path, seqs, 1, CORES, micro * LEN))
+    two, one = instar(path, 2, 1, micro * LEN), instar(path, 1, CORES, micro * LEN)
+    steps = {"plain": plain(path, seqs, micro), "two": lambda: two.step(seqs, "sft", 1e-4),
+             "one": lambda: one.step(seqs, "sft", 1e-4)}
+    times = {name: [] for name in steps}
+    for r in range(WARMUP + STEPS):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if r >= WARMUP:
+                times[name].append(time.perf_counter() - start)
+    two.shutdown()
+    one.shutdown()
     ray.shutdown()
-    plain_s = statistics.median(plain_times + plain(path, seqs, micro))  # before and after
+    plain_s, two_ranks_s, one_rank_s = (statistics.median(times[k]) for k in steps)
+    ratio = {k: statistics.median(p / t for p, t in zip(times["plain"], times[k]))
+             for k in ("two", "one")}
     fpt = flops_per_token(path)
     mfu = lambda s: tokens / s * fpt / peak  # noqa: E731
     result = {
-        "tokens_per_s_ratio_vs_plain": round(plain_s / two_ranks_s, 3),
+        "tokens_per_s_ratio_vs_plain": round(ratio["two"], 3),
         "mfu": round(mfu(two_ranks_s), 3),
         "tokens_per_s": {"plain": round(tokens / plain_s), "instar_2_ranks_x_1_thread":
                          round(tokens / two_ranks_s), "instar_1_rank_x_2_threads":
                          round(tokens / one_rank_s)},
         "mfu_all": {"plain": round(mfu(plain_s), 3), "instar_2_ranks": round(mfu(two_ranks_s), 3),
                     "instar_1_rank": round(mfu(one_rank_s), 3)},
-        "ratio_1_rank_vs_plain": round(plain_s / one_rank_s, 3),
+        "ratio_1_rank_vs_plain": round(ratio["one"], 3),
+        "seconds_per_step": {k: [round(t, 2) for t in v] for k, v in times.items()},
         "matmul_peak_gflops": round(peak / 1e9, 1), "train_gflops_per_token": round(fpt / 1e9, 4),
         "setup": {"model": "built-in small dense (float32)", "sequences": SEQS, "length": LEN,
-                  "micro_batch": f"{micro} sequences", "steps_measured": STEPS,
+                  "micro_batch": f"{micro} sequences", "rounds_measured": STEPS,
                   "machine": f"{CORES} cores, CPU only", "date": time.strftime("%Y-%m-%d")},
     }
     out = Path(__file__).parent / "results" / "trainer.json"

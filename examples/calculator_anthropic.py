@@ -4,9 +4,9 @@
 """
 
 import anthropic
-from calculator_tool import CALCULATOR, calculate, score
 
 from instar import ChatAgent, ChatContext, Result
+from instar.tasks.tools import CALCULATOR, calculate, score
 
 TOOL = {"name": CALCULATOR["function"]["name"],
         "description": CALCULATOR["function"]["description"],

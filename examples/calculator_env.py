@@ -3,9 +3,8 @@
     instar rollout --agent examples/calculator_env.py --data examples/data/calculator.jsonl
 """
 
-from calculator_tool import CALCULATOR, calculate, score
-
 from instar import Action, Env, Result, Task
+from instar.tasks.tools import CALCULATOR, calculate, score
 
 
 class Calculator(Env):

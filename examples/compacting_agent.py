@@ -6,9 +6,9 @@ starts a new one (reason `history_rewritten`); both segments share the episode's
 """
 
 import openai
-from calculator_tool import score
 
 from instar import ChatAgent, ChatContext, Result
+from instar.tasks.tools import score
 
 
 class Compacting(ChatAgent):

@@ -1,5 +1,6 @@
 """instar: train LLM agents with reinforcement learning. The agent is an ordinary program."""
 
 from instar.agents.contract import Action, ChatAgent, ChatContext, Env, Result, Task
+from instar.agents.judge import Judge, parse_score
 
-__all__ = ["Action", "ChatAgent", "ChatContext", "Env", "Result", "Task"]
+__all__ = ["Action", "ChatAgent", "ChatContext", "Env", "Judge", "Result", "Task", "parse_score"]

@@ -1,5 +1,5 @@
-"""instar's command line: rl (train), sft (supervised), rollout (no training), serve (engine
-+ gateway), make-model (build a tiny model)."""
+"""instar's command line: rl (train), sft (supervised), eval (a checkpoint on held-out
+tasks), rollout (no training), serve (engine + gateway), make-model (build a tiny model)."""
 
 import argparse
 import sys
@@ -67,6 +67,16 @@ def sft(argv: list[str]) -> None:
               f"{s['eval_loss_after']:.4f}")
 
 
+def eval_(argv: list[str]) -> None:
+    cfg, printed = parse(argv, "instar eval", "Evaluate a checkpoint (--model.path) on held-out "
+                         "tasks (--data.eval) with the run's eval settings (--eval.*), no training.")
+    if printed:
+        return
+    from instar.jobs import evaluate_model
+
+    evaluate_model(cfg)
+
+
 def print_summary(s: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -80,8 +90,10 @@ def print_summary(s: dict) -> None:
                       f"{s['reward_last_step']:.3f}")
         table.add_row("train reward (mean of first / last 20% of steps)",
                       f"{s['reward_first_steps_mean']:.3f}", f"{s['reward_last_steps_mean']:.3f}")
-    table.add_row("eval reward (held-out, before / after)", f"{s['eval_reward_before']:.3f}",
-                  f"{s['eval_reward_after']:.3f}")
+    if s.get("eval_reward_after") is not None:
+        table.add_row("eval reward (held-out, before / after)",
+                      f"{s['eval_reward_before']:.3f}" if s.get("eval_reward_before") is not None
+                      else "-", f"{s['eval_reward_after']:.3f}")
     Console().print(table)
     if s["failed_rollouts"]:
         Console().print(f"failed rollouts: {s['failed_rollouts']}")
@@ -106,7 +118,7 @@ def serve(argv: list[str]) -> None:
     serve(tyro.cli(ServeArgs, args=argv, prog="instar serve"))
 
 
-COMMANDS = {"rl": rl, "sft": sft, "rollout": rollout, "serve": serve, "make-model": make_model}
+COMMANDS = {"rl": rl, "sft": sft, "eval": eval_, "rollout": rollout, "serve": serve, "make-model": make_model}
 
 
 def main(argv: list[str] | None = None) -> None:

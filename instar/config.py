@@ -7,6 +7,7 @@ place that refuses unsafe combinations.
 """
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,7 +25,8 @@ class ModelConfig:
     seed: int = 0
     """Seed of the built-in model's random initialisation."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype, in the engine and in the trainer."""
+    """Compute dtype of the engines and the trainer, and the dtype of the weights the engines
+    load (the trainer's own weights: --train.master-dtype)."""
 
 
 @dataclass
@@ -35,8 +37,6 @@ class DataConfig:
     """Held-out tasks for eval, JSONL. Empty: the built-in task's held-out data."""
     prompts_per_step: int = 16
     """Distinct tasks per training step (each is sampled `rollout.group_size` times)."""
-    eval_size: int = 64
-    """Held-out tasks evaluated before and after training (0 turns eval off)."""
     seed: int = 0
     """Seed for shuffling the training tasks."""
 
@@ -54,6 +54,10 @@ class AgentConfig:
     """Override the agent's `max_tokens` (tokens per episode, prompt and observations included)."""
     timeout_s: float | None = None
     """Override the agent's `timeout_s` (wall-clock seconds per episode; over it = failed)."""
+    judge: str = ""
+    """A judge model agents can ask (`self.judge`, docs/agents.md): "policy" (the policy's
+    own engines, current weights) or a Hugging Face folder (a frozen model on an engine of its
+    own). Empty: none. Its generations are never trained on."""
 
 
 @dataclass
@@ -64,16 +68,15 @@ class RolloutConfig:
     """Sampling temperature; the trainer applies the same one to its log-probs."""
     max_tokens: int = 24
     """Most new tokens per model turn."""
-    eval_temperature: float = 1.0
-    """Sampling temperature for eval."""
     max_model_len: int = 1024
     """Longest sequence (prompt and all turns) the engine accepts."""
     kv_cache_gb: int = 1
     """KV-cache size of a CPU engine, GiB."""
     num_engines: int = 1
-    """vLLM engines (Ray actors); episodes are spread over them, one episode per engine."""
+    """vLLM engines (Ray actors); episodes are spread over them, one episode per engine. An
+    engine that dies is restarted by Ray, given the current weights, and its episodes retried."""
     threads: int = 2
-    """CPU threads of each engine (on a CPU machine; the loop is synchronous)."""
+    """CPU threads of each engine (on a CPU machine)."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """colocated: engines share devices (or cores) with the trainer ranks, and on GPUs sleep
     while it trains; disaggregated: engines and ranks each get their own."""
@@ -87,12 +90,40 @@ class RolloutConfig:
     partial: bool = True
     """At a weight update, requests in flight are paused and resume on the new weights (each
     token records its version); False: they are aborted and their episodes restarted."""
-    max_staleness: int = 0
-    """How many versions a generated token may lag the policy it is trained with; a request
-    that would exceed it is aborted and its episode restarted (0: strictly on-policy)."""
+    max_staleness: int = 1
+    """How many weight versions a generated token may lag the policy it is trained with.
+    0: strictly on-policy (generate, then train: no overlap); k > 0: episodes for the next k
+    steps are generated while the trainer trains (admission control starts no episode that
+    could exceed the bound)."""
+    on_failure: Literal["drop_rollout", "drop_group", "retry"] = "drop_rollout"
+    """When an agent fails (raises, times out): drop that rollout, drop its whole group, or
+    retry it with a fresh environment (`max_retries` times, then drop it)."""
+    max_retries: int = 2
+    """on_failure=retry: fresh attempts per rollout."""
+    preflight: int = 16
+    """Before step 1, generate this many samples and rescore them in the trainer; a mismatch
+    above `preflight_tol` stops the run with a diagnosis (0: skip)."""
+    preflight_tol: float = 1e-3
+    """Largest mean |engine - trainer| log-prob allowed in the preflight (bfloat16: ~3e-2)."""
     sync_check_tol: float = 1e-4
     """After each weight sync, the most the engine's and trainer's log-probs of a fixed probe
     sequence may differ before the run stops (float32: 1e-4; bfloat16 needs about 5e-2)."""
+
+
+@dataclass
+class EvalConfig:
+    size: int = 64
+    """Held-out tasks evaluated (`data.eval`); 0 turns eval off."""
+    every: int = 0
+    """Evaluate every this many steps, besides before and after training (0: only those)."""
+    samples: int = 1
+    """Samples per task; pass@k is reported for k = 1, 2, 4, ... up to this."""
+    temperature: float = 1.0
+    """Sampling temperature for eval."""
+    max_tokens: int = 0
+    """Most new tokens per model turn in eval (0: `rollout.max_tokens`)."""
+    pass_threshold: float = 1.0
+    """A sample passes (for pass@k) when its reward is at least this."""
 
 
 @dataclass
@@ -105,7 +136,8 @@ class TrainConfig:
     """Where the trainer and engines run: cpu (gloo) or cuda (nccl)."""
     freeze: list[str] = field(default_factory=list)
     """Regular expressions; parameters whose names match one are not trained (and never
-    re-sent to the engines), e.g. 'mlp\\.gate\\.' for MoE routers."""
+    re-sent to the engines), e.g. 'mlp\\.gate\\.' for the MoE routers (Qwen3-MoE:
+    model.layers.N.mlp.gate.weight)."""
     threads_per_rank: int = 1
     """CPU threads of each rank's torch."""
     lr: float = 1e-3
@@ -128,6 +160,14 @@ class TrainConfig:
     compute)."""
     cpu_offload: bool = False
     """GPU only: keep parameters, gradients and optimizer states in CPU memory (FSDP2)."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trainer's parameters, gradient reduction and optimizer states; the forward
+    and backward run in --model.dtype (bfloat16 compute with float32 masters keeps updates
+    far smaller than a bfloat16 step, e.g. lr 1e-6, from rounding away)."""
+    routing_replay: bool = True
+    """MoE: each router of the policy's forward takes exactly the top-k experts the engine
+    recorded for each token (GPU engines record them), with routing weights from the router's
+    softmax at those experts, so the router still trains. No effect without recorded routing."""
     warmup_sft_steps: int = 60
     """Supervised steps on the training tasks' labels before RL (0: none). The warmed-up
     model is cached, keyed by the base model, data and these settings."""
@@ -205,6 +245,26 @@ class LoggingConfig:
     """Run directory name. Empty: a timestamp."""
     progress: bool = True
     """Show a live progress display."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to the run directory (`tensorboard --logdir runs`)."""
+    wandb_project: str = ""
+    """Also log to this Weights & Biases project (needs `pip install wandb`; empty: off)."""
+    rollouts_every: int = 10
+    """Write one group of samples to rollouts.jsonl every this many steps (and at step 1)."""
+    plots: bool = True
+    """At the end, draw PNG plots of the metrics into the run directory's plots/."""
+
+
+@dataclass
+class ClusterConfig:
+    ray_address: str = ""
+    """Ray cluster to join: "auto" (the one `ray start` made on this machine, or RAY_ADDRESS)
+    or HOST:PORT of its head. Empty: a Ray of this machine's own for the run."""
+    engine_resource: str = ""
+    """Custom Ray resource that marks the nodes for engines (`ray start --resources
+    '{"NAME": N}'`); each engine takes one unit. Empty: any node. Needs disaggregated placement."""
+    trainer_resource: str = ""
+    """The same for trainer ranks: each takes one unit of it."""
 
 
 @dataclass
@@ -215,10 +275,12 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def batch_size(self) -> int:
@@ -231,14 +293,25 @@ class Config:
         if r.group_size < 2:
             raise ValueError("--rollout.group-size must be at least 2: GRPO's baseline is the "
                              "group mean, so a group of one has no learning signal")
-        if r.temperature <= 0 or r.eval_temperature <= 0:
-            raise ValueError("--rollout.temperature and --rollout.eval-temperature must be > 0: "
+        if r.temperature <= 0 or self.eval.temperature <= 0:
+            raise ValueError("--rollout.temperature and --eval.temperature must be > 0: "
                              "greedy decoding has no behaviour log-probs to train with")
+        if r.max_retries < 0 or r.preflight < 0 or r.preflight_tol <= 0:
+            raise ValueError("--rollout.max-retries and --rollout.preflight must be >= 0, "
+                             "--rollout.preflight-tol > 0")
+        e = self.eval
+        if e.size < 0 or e.every < 0 or e.samples < 1 or e.max_tokens < 0:
+            raise ValueError("--eval.size, --eval.every and --eval.max-tokens must be >= 0, "
+                             "--eval.samples >= 1")
         if r.num_engines < 1:
             raise ValueError("--rollout.num-engines must be >= 1")
         if r.max_staleness < 0 or not 0 < r.gpu_memory <= 1:
             raise ValueError("--rollout.max-staleness must be >= 0 and --rollout.gpu-memory in "
                              "(0, 1]")
+        if r.placement == "colocated" and t.device == "cuda" and r.max_staleness > 0:
+            raise ValueError("colocated engines on GPUs sleep while the trainer trains, so "
+                             "generation cannot overlap training: set --rollout.max-staleness 0, "
+                             "or use --rollout.placement disaggregated")
         if r.transport != "file" and t.device != "cuda":
             raise ValueError(f"--rollout.transport {r.transport} needs GPUs (--train.device "
                              "cuda); on CPU use --rollout.transport file")
@@ -248,6 +321,15 @@ class Config:
         if r.transport == "nccl" and r.placement != "disaggregated":
             raise ValueError("--rollout.transport nccl needs --rollout.placement disaggregated "
                              "(NCCL refuses two ranks on one device); use ipc when colocated")
+        if (self.cluster.engine_resource or self.cluster.trainer_resource) \
+                and r.placement != "disaggregated":
+            raise ValueError("--cluster.engine-resource and --cluster.trainer-resource need "
+                             "--rollout.placement disaggregated (colocated engines and ranks "
+                             "share bundles)")
+        if self.agent.judge not in ("", "policy") and not os.path.isfile(
+                os.path.join(self.agent.judge, "config.json")):
+            raise ValueError(f"--agent.judge {self.agent.judge!r}: expected \"policy\" or a "
+                             "Hugging Face model folder (with config.json)")
         if r.sync_check_tol <= 0:
             raise ValueError("--rollout.sync-check-tol must be > 0")
         if r.max_tokens >= r.max_model_len:
@@ -256,6 +338,9 @@ class Config:
         if t.num_ranks < 1 or t.micro_batch_tokens < 1 or t.steps < 0:
             raise ValueError("--train.num-ranks and --train.micro-batch-tokens must be >= 1, "
                              "--train.steps >= 0")
+        if t.master_dtype == "bfloat16" and self.model.dtype == "float32":
+            raise ValueError("--train.master-dtype bfloat16 needs --model.dtype bfloat16: master "
+                             "weights are at least as precise as the compute")
         if t.cpu_offload and t.device != "cuda":
             raise ValueError("--train.cpu-offload is for GPUs (--train.device cuda); on CPU the "
                              "weights are in CPU memory already")

@@ -7,17 +7,26 @@
                    own CPU cores)
 
 Bundles are packed onto as few nodes as fit, so the same config runs on one machine or
-across a Ray cluster.
+across a Ray cluster. To choose the nodes, give them a custom resource at `ray start` and
+name it: each engine (or rank) bundle then takes one unit of it.
+
+    ray start ... --resources '{"rollout": 8}'     # nodes for 8 engines each
+    ray start ... --resources '{"train": 8}'       # nodes for 8 trainer ranks each
+    instar rl --rollout.placement disaggregated \\
+        --cluster.engine-resource rollout --cluster.trainer-resource train
 """
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
 def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus: int,
-          rank_cpus: int, timeout_s: float = 120) -> tuple[list[dict], list[dict]]:
-    """Ray actor options (`actor.options(**o)`) for each engine and each trainer rank."""
+          rank_cpus: int, engine_resource: str = "", rank_resource: str = "", *,
+          one_host: bool = False, timeout_s: float = 120) -> tuple[list[dict], list[dict]]:
+    """Ray actor options (`actor.options(**o)`) for each engine and each trainer rank.
+    `one_host`: refuse a placement across hosts (the file transport passes the weights
+    through one host's /dev/shm)."""
     gpu = {"GPU": 1} if device == "cuda" else {}
     if mode == "colocated":  # they share the cores: reserve one per bundle, ask for none
         n = max(num_engines, num_ranks)
@@ -25,7 +34,9 @@ def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus:
         engine_at, rank_at = [i % n for i in range(num_engines)], list(range(num_ranks))
         engine_cpus = rank_cpus = 0
     else:
-        bundles = [{"CPU": engine_cpus, **gpu}] * num_engines + [{"CPU": rank_cpus, **gpu}] * num_ranks
+        engine = {"CPU": engine_cpus, **gpu, **({engine_resource: 1} if engine_resource else {})}
+        rank = {"CPU": rank_cpus, **gpu, **({rank_resource: 1} if rank_resource else {})}
+        bundles = [engine] * num_engines + [rank] * num_ranks
         engine_at, rank_at = list(range(num_engines)), list(range(num_engines, len(bundles)))
     pg = placement_group(bundles, strategy="PACK")
     if not pg.wait(timeout_s):
@@ -33,7 +44,15 @@ def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus:
         raise RuntimeError(
             f"Ray cannot place {mode} bundles {bundles} (available: {ray.available_resources()});"
             " lower --rollout.threads / --train.threads-per-rank, use fewer engines or ranks, "
-            "or --rollout.placement colocated")
+            "--rollout.placement colocated, or give nodes the resources named by "
+            "--cluster.engine-resource / --cluster.trainer-resource")
+    hosts = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    used = {hosts[node] for node in placement_group_table(pg)["bundles_to_node_id"].values()}
+    if one_host and len(used) > 1:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"engines and ranks were placed on hosts {sorted(used)}, but "
+                           "--rollout.transport file passes weights through one host's "
+                           "/dev/shm; on GPUs use --rollout.transport nccl")
     share = 0.5 if mode == "colocated" and gpu else (1 if gpu else 0)
 
     def options(bundle: int, cpus: int) -> dict:

@@ -10,7 +10,6 @@ built-in data's held-out part) the mean assistant-token loss is measured before 
 """
 
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import ray
 from transformers import AutoTokenizer
 
+from instar.cluster import start_ray
 from instar.config import Config
 from instar.loop import Trainer, console, lr_at
 from instar.tasks.tiny_model import builtin_model
@@ -42,7 +42,7 @@ def eval_loss(trainer: Trainer, seqs: list[Sequence]) -> float:
 
 def run_sft(cfg: Config) -> dict:
     cfg.validate()
-    run_dir = Path(cfg.logging.root) / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
+    run_dir = Path(cfg.logging.root).absolute() / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     model_path = Path(cfg.model.path) if cfg.model.path else builtin_model(
@@ -51,10 +51,10 @@ def run_sft(cfg: Config) -> dict:
     rows = load_sft_jsonl(cfg.data.train or builtin_sft_data())
     held_out = load_sft_jsonl(cfg.data.eval) if cfg.data.eval else []
     if not cfg.data.train:  # built-in data: hold some rows out
-        rows, held_out = rows[cfg.data.eval_size:], rows[:cfg.data.eval_size]
-    train, held_out = sequences(rows, tokenizer), sequences(held_out[:cfg.data.eval_size], tokenizer)
+        rows, held_out = rows[cfg.eval.size:], rows[:cfg.eval.size]
+    train, held_out = sequences(rows, tokenizer), sequences(held_out[:cfg.eval.size], tokenizer)
 
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    start_ray(cfg.cluster.ray_address)
     trainer, rng = Trainer(cfg, str(model_path)), random.Random(cfg.data.seed)
     summary = {"eval_loss_before": eval_loss(trainer, held_out) if held_out else None}
     with open(run_dir / "metrics.jsonl", "w") as metrics:

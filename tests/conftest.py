@@ -1,9 +1,10 @@
 """Shared fixtures: the built-in tiny model, one Ray session and one engine for all tests."""
 
-import sys
 from pathlib import Path
 
 import pytest
+
+from instar.tasks.tools import CALCULATOR
 
 
 @pytest.fixture(scope="session")
@@ -46,9 +47,6 @@ def engine(ray_session, tiny_model):
     yield from serve_model(tiny_model)
 
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from calculator_tool import CALCULATOR  # noqa: E402
-
 TOOL_CONVERSATION = [
     {"role": "user", "content": "What is 2+3?"},
     {"role": "assistant", "content": "",
@@ -59,39 +57,52 @@ TOOL_CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="session")
-def tool_model(tiny_model, tmp_path_factory):
-    """The tiny model taught (a few seconds of SFT) to call the calculator and then answer, so
-    that real engine generations contain tool calls (examples/calculator_tool.py)."""
+def teach(base: Path, out: Path, conversations: list[list[dict]], tools: list[dict] | None,
+          steps: int = 250) -> Path:
+    """`base` after a few seconds of SFT on the assistant turns of `conversations` (a model
+    that reliably says what it was taught), written to `out` with the tokenizer."""
     import shutil
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path_factory.mktemp("tool_model")
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    ids, mask = [], []
-    for i, msg in enumerate(TOOL_CONVERSATION):
-        text = tok.apply_chat_template(TOOL_CONVERSATION[:i + 1], tools=[CALCULATOR], tokenize=False)
-        new = tok.encode(text, add_special_tokens=False)[len(ids):]
-        ids += new
-        # learn the assistant turns: everything after "<|im_start|>assistant\n" up to <|im_end|>
-        head = len(tok.encode("<|im_start|>assistant\n", add_special_tokens=False))
-        mask += [msg["role"] == "assistant" and head <= j < len(new) - 1 for j in range(len(new))]
-    x, m = torch.tensor([ids]), torch.tensor([mask], dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    batch = []
+    for conversation in conversations:
+        ids, mask = [], []
+        for i, msg in enumerate(conversation):
+            text = tok.apply_chat_template(conversation[:i + 1], tools=tools, tokenize=False)
+            new = tok.encode(text, add_special_tokens=False)[len(ids):]
+            ids += new
+            # learn the assistant turns: everything after "<|im_start|>assistant\n" up to <|im_end|>
+            head = len(tok.encode("<|im_start|>assistant\n", add_special_tokens=False))
+            mask += [msg["role"] == "assistant" and head <= j < len(new) - 1
+                     for j in range(len(new))]
+        batch.append((torch.tensor([ids]), torch.tensor([mask], dtype=torch.float32)))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(250):
-        logp = torch.log_softmax(model(x).logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
-        loss = -(logp * m[:, 1:]).sum() / m.sum()
+    for _ in range(steps):
+        loss = 0
+        for x, m in batch:
+            logp = torch.log_softmax(model(x).logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
+            loss = loss - (logp * m[:, 1:]).sum() / m.sum()
+        loss = loss / len(batch)
         opt.zero_grad()
         loss.backward()
         opt.step()
     model.save_pretrained(out)
-    for f in tiny_model.iterdir():
+    for f in base.iterdir():
         if f.name.startswith(("tokenizer", "chat_template")):
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def tool_model(tiny_model, tmp_path_factory):
+    """The tiny model taught (a few seconds of SFT) to call the calculator and then answer, so
+    that real engine generations contain tool calls (instar/tasks/tools.py)."""
+    return teach(tiny_model, tmp_path_factory.mktemp("tool_model"), [TOOL_CONVERSATION],
+                 [CALCULATOR])
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,9 @@ def test_default_config_is_valid():
     (lambda c: setattr(c.algo, "dual_clip", 0.5), "--algo.dual-clip"),
     (lambda c: setattr(c.algo, "estimator", "on_policy_distill"), "--algo.teacher"),
     (lambda c: setattr(c.train, "cpu_offload", True), "--train.cpu-offload"),
+    (lambda c: setattr(c.train, "master_dtype", "bfloat16"), "--train.master-dtype bfloat16"),
     (lambda c: setattr(c.rollout, "transport", "nccl"), "--rollout.transport nccl needs GPUs"),
+    (lambda c: setattr(c.cluster, "engine_resource", "gpu_a"), "--rollout.placement disaggregated"),
 ])
 def test_validate_names_the_flag(change, flag):
     cfg = Config()
@@ -46,15 +48,17 @@ def test_flag_surface_is_frozen():
     names = sorted(f"{g.name}.{f.name}" for g in dataclasses.fields(Config)
                    for f in dataclasses.fields(g.type))
     assert names == sorted("""
-        agent.config agent.file agent.max_tokens agent.max_turns agent.timeout_s algo.clip_high algo.clip_low algo.estimator algo.policy_loss algo.aggregation algo.dual_clip algo.is_mode algo.is_level algo.is_low algo.is_high algo.kl_coef algo.kl_estimator algo.kl_in_reward algo.reference algo.teacher algo.gamma algo.lam algo.critic_lr algo.value_clip algo.dynamic_filter
-        checkpoint.save_final checkpoint.every checkpoint.keep checkpoint.resume data.eval data.eval_size data.prompts_per_step data.seed
-        data.train logging.name logging.progress logging.root model.dtype model.kind
-        model.path model.seed model.size rollout.eval_temperature rollout.group_size
+        agent.config agent.file agent.judge agent.max_tokens agent.max_turns agent.timeout_s algo.clip_high algo.clip_low algo.estimator algo.policy_loss algo.aggregation algo.dual_clip algo.is_mode algo.is_level algo.is_low algo.is_high algo.kl_coef algo.kl_estimator algo.kl_in_reward algo.reference algo.teacher algo.gamma algo.lam algo.critic_lr algo.value_clip algo.dynamic_filter
+        checkpoint.save_final checkpoint.every checkpoint.keep checkpoint.resume data.eval data.prompts_per_step eval.size eval.every eval.samples eval.temperature eval.max_tokens eval.pass_threshold data.seed
+        data.train logging.name logging.progress logging.root logging.tensorboard logging.wandb_project logging.rollouts_every logging.plots model.dtype model.kind
+        model.path model.seed model.size rollout.group_size rollout.on_failure rollout.max_retries rollout.preflight rollout.preflight_tol
         rollout.kv_cache_gb rollout.max_model_len rollout.max_tokens rollout.num_engines rollout.sync_check_tol
         rollout.temperature rollout.threads rollout.placement rollout.gpu_memory rollout.partial
         rollout.max_staleness rollout.transport train.freeze train.device train.grad_clip train.lr train.micro_batch_tokens train.lr_warmup_steps train.lr_schedule train.min_lr_ratio train.activation_checkpointing train.cpu_offload
+        train.master_dtype train.routing_replay
         train.num_ranks train.steps train.threads_per_rank train.warmup_sft_batch
-        train.warmup_sft_lr train.warmup_sft_steps train.weight_decay""".split())
+        train.warmup_sft_lr train.warmup_sft_steps train.weight_decay
+        cluster.ray_address cluster.engine_resource cluster.trainer_resource""".split())
 
 
 def test_every_field_is_read_somewhere():

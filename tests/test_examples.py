@@ -15,7 +15,7 @@ from instar.sample import read_jsonl
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
-@pytest.mark.parametrize("name", ["calculator_env", "calculator_openai", "calculator_anthropic",
+@pytest.mark.parametrize("name", ["calculator_env", "tool_use_openai", "calculator_anthropic",
                                   "compacting_agent"])
 def test_instar_rollout_runs_each_example(name, tool_model, tmp_path):
     out = tmp_path / "samples.jsonl"

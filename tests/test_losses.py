@@ -35,7 +35,8 @@ def test_policy_loss_ppo_matches_the_formula():
     per_token = [-min(x * 2.0, min(max(x, 0.8), 1.3) * 2.0) for x in r]
     assert math.isclose(loss.item(), sum(per_token) / 6, rel_tol=1e-6)
     assert math.isclose(stats["clip_frac"], 2 / 6)  # exp(0.5) > 1.3 and exp(-1) < 0.8
-    assert math.isclose(stats["abs_logprob_diff"], (0.5 + 0.0 + 1.0) / 6, rel_tol=1e-6)
+    assert math.isclose(stats["abs_logprob_diff"], 0.5 + 0.0 + 1.0, rel_tol=1e-6)  # a sum
+    assert stats["mismatch_tokens"] == 3
     # sequence aggregation: the mean over the sequence's 3 tokens, over 1 sequence
     loss, _ = pg(logp, old, torch.tensor([2.0]), mask, clip_low=0.2, clip_high=0.3,
                  aggregation="sequence")
@@ -201,11 +202,12 @@ def test_importance_weights_levels_and_modes(level, mode, expected, changed):
 
 def test_mismatch_metrics():
     logp, behaviour = torch.tensor([[0.0, -1.0, -2.0]]), torch.tensor([[9.0, -1.5, -1.0]])
-    out = mismatch_metrics(logp, behaviour, torch.tensor([[0.0, 1, 1]]), num_tokens=2)
+    out = mismatch_metrics(logp, behaviour, torch.tensor([[0.0, 1, 1]]))
     # |diff| = 0.5, 1; k3 with d = logp - behaviour = 0.5, -1:
     # e^0.5 - 1.5 = 0.148721, e^-1 + 1 - 1 = 0.367879
-    assert math.isclose(out["abs_logprob_diff"], 1.5 / 2, rel_tol=1e-6)
-    assert math.isclose(out["k3"], (0.148721 + 0.367879) / 2, rel_tol=1e-5)
+    assert math.isclose(out["abs_logprob_diff"], 1.5, rel_tol=1e-6)
+    assert math.isclose(out["k3"], 0.148721 + 0.367879, rel_tol=1e-5)
+    assert out["mismatch_tokens"] == 2
 
 
 def test_value_loss_is_clipped_around_the_old_values():

@@ -123,3 +123,36 @@ def test_socket_to_host_listener():
         except TimeoutError:
             pass
     assert_caller_fine()
+
+
+def test_unix_sockets_to_host_listeners(tmp_path):
+    path = str(tmp_path / "host.sock")
+    abstract = "\0instar-sandbox-test"
+    with socket.socket(socket.AF_UNIX) as on_disk, socket.socket(socket.AF_UNIX) as in_ns:
+        on_disk.bind(path)
+        in_ns.bind(abstract)
+        for server in (on_disk, in_ns):
+            server.listen()
+            server.settimeout(0.2)
+        code = (f"import socket\nfor address in ({path!r}, {abstract!r}):\n"
+                "    try:\n        socket.socket(socket.AF_UNIX).connect(address)\n"
+                "        print('connected')\n    except OSError as e:\n"
+                "        print(type(e).__name__)\n")
+        result = run_code(code, **LIMITS)
+        assert result.violation == "network" and result.stdout == "PermissionError\n" * 2
+        # past the audit hook (raw libc calls): no such file, and the abstract name belongs
+        # to the host's network namespace
+        raw = run_code(
+            "import ctypes, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"for address in ({path.encode()!r}, {abstract.encode()!r}):\n"
+            "    sock = libc.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0)\n"
+            "    raw = socket.AF_UNIX.to_bytes(2, 'little') + address\n"
+            "    print(libc.connect(sock, raw, len(raw)), ctypes.get_errno())\n", **LIMITS)
+        assert raw.ok and [line.split()[0] for line in raw.stdout.splitlines()] == ["-1", "-1"]
+        for server in (on_disk, in_ns):
+            try:
+                server.accept()
+                raise AssertionError("the sandbox reached a host unix socket")
+            except TimeoutError:
+                pass
+    assert_caller_fine()

@@ -38,6 +38,7 @@ exec "$@"
 """,
     "ray": """case $1 in
 start)
+    echo "${FAKE_NODE:-batch} $RAY_AUTH_MODE" >> "$FAKE_DIR/auth"
     echo $$ >> "$FAKE_DIR/pids"
     exec sleep 300 ;;
 status)
@@ -77,8 +78,9 @@ class Job:
         (tmp_path / "log").touch()
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("SLURM_", "CONTAINER_", "RAY_", "FAKE_"))
-                    and k not in ("RECIPE", "GPUS_PER_NODE")}
+                    and k not in ("RECIPE", "GPUS_PER_NODE", "ENGINE_NODES")}
         self.env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(tmp_path),
+                        HOME=str(tmp_path),  # no ~/.ray/auth_token unless a test writes one
                         SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_SUBMIT_DIR=str(ROOT),
                         SLURM_CPUS_ON_NODE="32", SLURM_GPUS_PER_NODE="8",
                         RECIPE="recipes/qwen3_4b_math_2node.yaml")
@@ -147,7 +149,7 @@ def test_two_nodes_head_workers_instar_then_ray_stop(job):
                       "--num-gpus=8 --block")
     worker = index(log, "gpu-b ray start --address=10.0.0.1:6379 --num-gpus=8 --block")
     run = index(log, "gpu-a instar rl --config recipes/qwen3_4b_math_2node.yaml "
-                     "--ray-address 10.0.0.1:6379 --train.steps 3")
+                     "--cluster.ray-address 10.0.0.1:6379 --train.steps 3")
     stops = [index(log, f"{node} ray stop") for node in ("gpu-a", "gpu-b")]
     assert head < worker < run < min(stops)
     assert len(ran(log, "ray start")) == 2
@@ -159,6 +161,40 @@ def test_two_nodes_head_workers_instar_then_ray_stop(job):
     assert job.leftover() == []
 
 
+def test_engine_nodes_split_engines_from_trainer_ranks(job):
+    status, err = job.run("multi_node.sbatch", ENGINE_NODES="1")
+    assert status == 0, err
+    log = job.log()
+    index(log, "gpu-a ray start --head --node-ip-address=10.0.0.1 --port=6379 --num-gpus=8 "
+               '--resources={"trainer": 8} --block')
+    index(log, 'gpu-b ray start --address=10.0.0.1:6379 --num-gpus=8 --resources={"engine": 8} '
+               "--block")
+    index(log, "gpu-a instar rl --config recipes/qwen3_4b_math_2node.yaml --cluster.ray-address "
+               "10.0.0.1:6379 --rollout.placement disaggregated --cluster.engine-resource engine "
+               "--cluster.trainer-resource trainer")
+
+
+def test_engine_nodes_must_leave_a_trainer_node(job):
+    status, err = job.run("multi_node.sbatch", ENGINE_NODES="2")
+    assert status == 1
+    assert "ENGINE_NODES=2 leaves none of the 2 node(s) for the trainer ranks" in err
+    assert ran(job.log(), "ray") == [] and ran(job.log(), "instar") == []
+
+
+@pytest.mark.parametrize("token", [False, True])
+def test_every_node_gets_the_same_ray_auth_mode(job, token):
+    """Ray 2.60 enables token auth for a head that finds ~/.ray/auth_token, not for the nodes
+    that join it: the script decides for all of them."""
+    if token:
+        (job.dir / ".ray").mkdir()
+        (job.dir / ".ray" / "auth_token").write_text("0" * 64)
+    status, err = job.run("multi_node.sbatch")
+    assert status == 0, err
+    mode = "token" if token else "disabled"
+    assert sorted((job.dir / "auth").read_text().splitlines()) == [f"gpu-a {mode}",
+                                                                   f"gpu-b {mode}"]
+
+
 def test_one_node_in_a_container(job):
     status, err = job.run("single_node.sbatch", SLURM_JOB_NODELIST="gpu-a", RECIPE="",
                           CONTAINER_IMAGE="registry#instar+gpu", GPUS_PER_NODE="4")
@@ -167,7 +203,7 @@ def test_one_node_in_a_container(job):
     index(log, "gpu-a ray start --head --node-ip-address=10.0.0.1 --port=6379 "
                "--num-gpus=4 --block")
     index(log, "gpu-a instar rl --config recipes/qwen3_4b_math_1node.yaml "
-               "--ray-address 10.0.0.1:6379")
+               "--cluster.ray-address 10.0.0.1:6379")
     assert len(ran(log, "ray start")) == 1
     assert ran(log, "ray stop") == ["gpu-a ray stop"]
     container = (f"--container-image=registry#instar+gpu --container-name=instar "
@@ -180,7 +216,7 @@ def test_instar_failure_stops_ray_everywhere(job):
     assert status == 3
     log = job.log()
     run = index(log, "gpu-a instar rl --config recipes/qwen3_4b_math_2node.yaml "
-                     "--ray-address 10.0.0.1:6379")
+                     "--cluster.ray-address 10.0.0.1:6379")
     assert index(log, "gpu-a ray stop") > run and index(log, "gpu-b ray stop") > run
     assert "stopping Ray on gpu-a gpu-b (exit status 3)" in err
     assert job.leftover() == []

@@ -8,6 +8,7 @@ imports torch or ray: an agent is an ordinary Python program.
 from dataclasses import dataclass, field
 from typing import Any
 
+from instar.agents.judge import Judge
 from instar.agents.tool_parser import parse_hermes
 
 Message = dict[str, Any]
@@ -86,6 +87,9 @@ class Env:
     """Tokens (prompt, generations and observations) per episode before it is truncated."""
     timeout_s: float = 600.0
     """Wall-clock seconds per episode; an episode that runs over counts as failed."""
+    judge: Judge | None = None
+    """The run's judge model (`--agent.judge`; see instar/agents/judge.py), set by instar
+    before `reset`; None when the run has none."""
 
     def __init__(self, **agent_config: Any):
         self.config = agent_config
@@ -111,6 +115,8 @@ class ChatAgent:
     max_turns: int = 16
     max_tokens: int = 4096
     timeout_s: float = 600.0
+    judge: Judge | None = None
+    """The run's judge model, as for `Env.judge`."""
 
     def __init__(self, **agent_config: Any):
         self.config = agent_config

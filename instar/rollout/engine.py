@@ -26,7 +26,8 @@ class Generation:
     versions: list[int]
     """The weight version that generated each token."""
     finish_reason: str
-    """"stop", "length", or "abort" (stopped at a weight update: restart the episode)."""
+    """"stop", "length", "abort" (stopped at a weight update: restart the episode) or
+    "behind" (the engine holds older weights than the caller's current version)."""
     text: str
     stop: str | None = None
     """The stop string that ended generation, if one did."""
@@ -62,6 +63,8 @@ class Engine:
             weight_transfer_config=None if transport == "file" else {"backend": transport})
         self.llm = AsyncLLM.from_engine_args(args)
         self.version, self.engine_id = 0, engine_id
+        import ray  # Ray restarted this engine after it died: its constructor runs again
+        self.restarted = int(ray.get_runtime_context().was_current_actor_reconstructed)
         self.partial, self.max_staleness = partial, max_staleness
         self.live: dict[str, tuple[int, list[tuple[int, int]]]] = {}
         """Requests in flight: id -> (oldest version of their episode, [(tokens generated
@@ -79,12 +82,15 @@ class Engine:
             final = out
         return final
 
-    async def generate(self, prompt_ids: list[int], sampling: dict,
-                       oldest: int | None = None) -> Generation:
-        """`oldest`: the version of the episode's first generated token, if it has one."""
+    async def generate(self, prompt_ids: list[int], sampling: dict, oldest: int | None = None,
+                       current: int = 0) -> Generation:
+        """`oldest`: the version of the episode's first generated token, if it has one;
+        `current`: the run's current version (a restarted engine may not have it yet)."""
         from vllm import SamplingParams
 
         await self.ready.wait()  # a request that arrives during an update waits for it
+        if self.version < current:
+            return Generation([], [], [], "behind", "", engine=self.engine_id)
         oldest = self.version if oldest is None else oldest
         if self.version - oldest > self.max_staleness:  # the episode is already too old
             return Generation([], [], [], "abort", "", engine=self.engine_id)
@@ -175,15 +181,18 @@ class Engine:
         await self.llm.wake_up()
 
     def stats(self) -> dict[str, float]:
-        """Since the last call: peak requests in flight, generated tokens/s, prefix-cache
-        hit rate (prompt tokens served from the cache)."""
+        """Whether Ray restarted this engine; since the last call: peak requests in flight,
+        generated tokens/s, prefix-cache hit rate (prompt tokens served from the cache)."""
         w, now = self.window, time.time()
         self.window = dict(start=now, tokens=0, prompt=0, cached=0, peak=len(self.live))
-        return {"in_flight_peak": w["peak"], "tokens_per_s": w["tokens"] / (now - w["start"]),
+        return {"restarted": self.restarted, "in_flight_peak": w["peak"], "tokens_per_s": w["tokens"] / (now - w["start"]),
                 "prefix_cache_hit_rate": w["cached"] / max(w["prompt"], 1)}
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+ENGINE_RESTARTS = 3
 
 
 def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_cache_gb: int,
@@ -191,10 +200,11 @@ def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_c
            **options) -> list:
     """Start `count` Engines as Ray actors (Ray must be initialised); returns once they are
     up, so start-up time never counts against an episode's timeout. `placement`: Ray
-    options per engine (see instar.placement); `options` go to Engine."""
+    options per engine (see instar.placement); `options` go to Engine. Ray restarts an
+    engine that dies (up to ENGINE_RESTARTS times); see `Router`."""
     import ray
 
-    actor = ray.remote(Engine)
+    actor = ray.remote(max_restarts=ENGINE_RESTARTS)(Engine)
     default = dict(num_cpus=0, num_gpus=1 if device == "cuda" else 0)
     engines = [actor.options(**(placement[i] if placement else default)).remote(
                    model_path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,

@@ -4,7 +4,15 @@ An episode's first request goes to the engine with the fewest live episodes; its
 turns go to the same engine, whose prefix cache already holds the conversation. The router
 also remembers the version of each episode's first token, so an engine can refuse to
 continue an episode that has become too stale (see `Engine.load_weights`).
+
+An engine that dies is restarted by Ray (from the base checkpoint); the router then loads
+the current weights into it before it serves again, and the episodes it was running are
+restarted. An engine never generates with weights older than the run's current version.
 """
+
+import asyncio
+
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from instar.agents.env_loop import Requeue
 
@@ -16,6 +24,11 @@ class Router:
         """Episodes currently assigned to each engine."""
         self.assigned: dict[str, int] = {}
         self.oldest: dict[str, int] = {}
+        self.version = 0
+        """The weight version every engine holds (set by the loop after each sync)."""
+        self.weights: list[str] = []
+        """Where the current weights are (file transport), to reload a restarted engine."""
+        self.recovering: dict[int, asyncio.Future] = {}
 
     def engine_of(self, episode: str) -> int:
         if episode not in self.assigned:
@@ -25,14 +38,41 @@ class Router:
         return self.assigned[episode]
 
     async def generate(self, episode: str, ids: list[int], sampling: dict):
-        """One turn of `episode` on its engine; raises Requeue if a weight update stopped it."""
-        engine = self.engines[self.engine_of(episode)]
-        gen = await engine.generate.remote(ids, sampling, self.oldest.get(episode))
+        """One turn of `episode` on its engine; raises Requeue if a weight update stopped it
+        or its engine died."""
+        i = self.engine_of(episode)
+        if i in self.recovering:
+            await asyncio.shield(self.recovering[i])
+        try:
+            gen = await self.engines[i].generate.remote(ids, sampling, self.oldest.get(episode),
+                                                        self.version)
+        except RayActorError:
+            gen = None
+        if gen is None or gen.finish_reason == "behind":  # died, or restarted with old weights
+            await self._recover(i)
+            raise Requeue(f"engine {i} was restarted during episode {episode}")
         if gen.finish_reason == "abort":
             raise Requeue(f"episode {episode} was stopped by a weight update")
         if gen.versions:
             self.oldest.setdefault(episode, gen.versions[0])
         return gen
+
+    async def _recover(self, i: int) -> None:
+        """Wait for Ray to restart engine i, then give it the current weights (once, however
+        many episodes noticed)."""
+        async def reload():
+            while True:  # "unavailable" while Ray restarts it; "died" once it gives up
+                try:
+                    await self.engines[i].__ray_ready__.remote()
+                    break
+                except ActorUnavailableError:
+                    await asyncio.sleep(1)
+            if self.weights:
+                await self.engines[i].load_weights.remote(self.weights, self.version)
+            del self.recovering[i]
+        if i not in self.recovering:
+            self.recovering[i] = asyncio.ensure_future(reload())
+        await asyncio.shield(self.recovering[i])
 
     def release(self, episode: str) -> None:
         self.oldest.pop(episode, None)

@@ -26,7 +26,9 @@ Containment, per escape (the kernel does it; the audit hook only explains and re
 - files outside /work: chroot into a tmpfs that holds only /work, read-only binds of /usr,
   /bin, /lib* and the Python installation, and /dev/{null,zero,random,urandom}. There is no
   /etc, /home, /root, /tmp, /proc or /sys; the project's venv is not there (stdlib only).
-- network: an empty network namespace (no interface is up, not even loopback).
+- network: an empty network namespace (no interface is up, not even loopback). Unix
+  sockets reach nothing either: no host socket file is inside the root, and abstract ones
+  belong to the network namespace.
 
 Known limits: memory is per process (worst case `processes` x `memory_mb`; no cgroup);
 system directories and the Python installation are readable (not secret, but not hidden);
@@ -71,7 +73,8 @@ def audit(event, args, readable=(sys.base_prefix + "/", "/usr/", "/lib/", "/dev/
         if not (path + "/").startswith(readable):
             hint("filesystem")
             raise PermissionError(f"sandbox: {path} is outside /work")
-    elif event == "socket.__new__" and args[1] in (-1, 2, 10):
+    elif (event == "socket.__new__" and args[1] in (-1, 2, 10)
+          or event == "socket.connect" and args[0].family == 1):  # 1: AF_UNIX
         hint("network")
         raise PermissionError("sandbox: no network")
 

@@ -141,13 +141,14 @@ def importance_weights(old_logprobs_BT: torch.Tensor, behaviour_logprobs_BT: tor
 
 
 def mismatch_metrics(logprobs_BT: torch.Tensor, behaviour_logprobs_BT: torch.Tensor,
-                     mask_BT: torch.Tensor, num_tokens: int) -> dict[str, float]:
-    """Trainer-vs-engine mismatch over the loss tokens, each summed / `num_tokens`:
-    |logp_t - mu_t| and k3 = KL(mu || pi) estimated on the engine's samples."""
+                     mask_BT: torch.Tensor) -> dict[str, float]:
+    """Trainer-vs-engine mismatch over the masked tokens, as sums (the caller divides by
+    `mismatch_tokens` summed over the step): |logp_t - mu_t| and k3 = KL(mu || pi) estimated
+    on the engine's samples."""
     m = mask_BT.bool()
     diff = (logprobs_BT - behaviour_logprobs_BT).abs()[m].sum()
     k3 = kl_BT(behaviour_logprobs_BT, logprobs_BT, "k3")[m].sum()
-    return {"abs_logprob_diff": diff.item() / num_tokens, "k3": k3.item() / num_tokens}
+    return {"abs_logprob_diff": diff.item(), "k3": k3.item(), "mismatch_tokens": m.sum().item()}
 
 
 def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,
@@ -179,7 +180,9 @@ def policy_loss(logprobs_BT: torch.Tensor, b: dict[str, torch.Tensor], a, num_to
     extra = {"dual_clip": a.dual_clip} if a.policy_loss == "ppo" else {}
     loss_BT, clipped_BT = POLICY_LOSSES[a.policy_loss](logprobs_BT, old_BT, b["advantages"],
                                                        mask_BT, a.clip_low, a.clip_high, **extra)
-    stats = mismatch_metrics(logprobs_BT.detach(), behaviour_BT, mask_BT, num_tokens)
+    # on lag-0 tokens only: with older tokens the policy itself has moved since
+    stats = mismatch_metrics(logprobs_BT.detach(), behaviour_BT,
+                             mask_BT * b["fresh"] if "fresh" in b else mask_BT)
     stats["clip_frac"] = (clipped_BT & mask_BT.bool()).sum().item() / num_tokens
     if corrected:
         w_BT, stats["is_filtered"] = importance_weights(old_BT, behaviour_BT, mask_BT, a.is_level,

@@ -31,12 +31,7 @@ from typing import Any
 from instar.agents.chat import Message, render
 from instar.tasks.reverse_data import reverse_data
 from instar.tasks.tiny_model import cache_root
-
-# The calculator tool of examples/calculator_tool.py (instar does not import the examples).
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}
+from instar.tasks.tools import CALCULATOR
 
 
 def _turn_end(tokenizer, turn: str, start: int) -> int:

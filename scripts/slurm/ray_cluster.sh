@@ -2,8 +2,8 @@
 # Sourced by single_node.sbatch and multi_node.sbatch (submit those, not this file):
 #   1. start a Ray head on the job's first node and a Ray worker on each other node;
 #   2. wait until Ray reports every node and all their GPUs;
-#   3. run `instar rl --config "$RECIPE" --ray-address HEAD:PORT` on the first node, with the
-#      arguments given to sbatch after the script's name (they override the recipe);
+#   3. run `instar rl --config "$RECIPE" --cluster.ray-address HEAD:PORT` on the first node,
+#      with the arguments given to sbatch after the script's name (they override the recipe);
 #   4. on exit, failure or SIGTERM (scancel, or --signal before the time limit): `ray stop` on
 #      every node, then end the background steps. The job exits with instar's status.
 #
@@ -12,6 +12,9 @@
 #   GPUS_PER_NODE     GPUs each node gives Ray (default: sbatch's --gpus-per-node, else 8)
 #   RAY_PORT          port of the Ray head (GCS) on the first node (default 6379)
 #   RAY_WAIT_S        seconds to wait for all nodes to join before giving up (default 300)
+#   ENGINE_NODES      k > 0: the last k nodes run the engines, the others the trainer ranks
+#                     (Ray resources `engine` and `trainer`, disaggregated placement; default 0:
+#                     Ray packs engines and ranks onto the nodes as they fit)
 #   CONTAINER_IMAGE   run every step in this image through pyxis (srun --container-image)
 #   CONTAINER_MOUNTS  pyxis mounts (default: the submit directory, at the same path)
 # Every srun option is written --name=value.
@@ -22,10 +25,37 @@ gpus=${SLURM_GPUS_PER_NODE:-8}
 GPUS_PER_NODE=${GPUS_PER_NODE:-${gpus##*:}}  # --gpus-per-node=h100:8 gives "h100:8"
 RAY_PORT=${RAY_PORT:-6379}
 RAY_WAIT_S=${RAY_WAIT_S:-300}
+ENGINE_NODES=${ENGINE_NODES:-0}
+# Ray 2.60 turns token authentication on for a head that finds a token, but not for the
+# nodes that join it: decide once, for every step.
+if [ -z "${RAY_AUTH_MODE:-}" ]; then
+    if [ -n "${RAY_AUTH_TOKEN:-}${RAY_AUTH_TOKEN_PATH:-}" ] || [ -f "$HOME/.ray/auth_token" ]; then
+        export RAY_AUTH_MODE=token
+    else
+        export RAY_AUTH_MODE=disabled
+    fi
+fi
 
 hostnames=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 mapfile -t nodes <<<"$hostnames"
 head=${nodes[0]}
+
+marks=()      # per node: the `ray start` flag that marks it for engines or for trainer ranks
+placement=()  # the matching instar flags
+if ((ENGINE_NODES > 0)); then
+    if ((ENGINE_NODES >= ${#nodes[@]})); then
+        echo "instar: ENGINE_NODES=$ENGINE_NODES leaves none of the ${#nodes[@]} node(s) for" \
+            "the trainer ranks" >&2
+        exit 1
+    fi
+    for i in "${!nodes[@]}"; do
+        role=trainer
+        ((i < ${#nodes[@]} - ENGINE_NODES)) || role=engine
+        printf -v "marks[i]" -- '--resources={"%s": %s}' "$role" "$GPUS_PER_NODE"
+    done
+    placement=(--rollout.placement disaggregated --cluster.engine-resource engine
+               --cluster.trainer-resource trainer)
+fi
 
 # One task on one node, with all of the node's CPUs; --overlap lets steps share the node's
 # CPUs and GPUs with the long-running `ray start` step.
@@ -84,12 +114,13 @@ address=$head_ip:$RAY_PORT
 echo "instar: Ray head on $head ($address); nodes: ${nodes[*]}" >&2
 
 start "$head" ray start --head --node-ip-address="$head_ip" --port="$RAY_PORT" \
-    --num-gpus="$GPUS_PER_NODE" --block
+    --num-gpus="$GPUS_PER_NODE" ${marks[0]:+"${marks[0]}"} --block
 wait_for_nodes 1
-for node in "${nodes[@]:1}"; do
-    start "$node" ray start --address="$address" --num-gpus="$GPUS_PER_NODE" --block
+for ((i = 1; i < ${#nodes[@]}; i++)); do
+    start "${nodes[i]}" ray start --address="$address" --num-gpus="$GPUS_PER_NODE" \
+        ${marks[i]:+"${marks[i]}"} --block
 done
 wait_for_nodes "${#nodes[@]}"
 
-start "$head" instar rl --config "$RECIPE" --ray-address "$address" "$@"
+start "$head" instar rl --config "$RECIPE" --cluster.ray-address "$address" "${placement[@]}" "$@"
 wait "$!"  # in the background so that a TERM is handled at once

@@ -1,12 +1,23 @@
-"""The calculator tool shared by the examples: its schema and a safe evaluator."""
+"""Tools for the built-in tool-use task and the examples: schemas, implementations, scoring.
+
+Each tool is an OpenAI function schema (shown to the model by its chat template) and a plain
+function that never raises: bad input comes back as an "error: ..." string, which the model
+reads as the tool's result. Agent-facing: stdlib only.
+"""
 
 import ast
 import operator
+from typing import Any
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                    "required": ["expression"]}}}
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Look up a fact, e.g. 'population of Avalon'",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string"}},
+                   "required": ["key"]}}}
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.USub: operator.neg}
@@ -27,6 +38,26 @@ def calculate(expression: str) -> str:
     except (ValueError, SyntaxError, ZeroDivisionError, RecursionError) as e:
         return f"error: {e}"
     return str(int(value) if float(value).is_integer() else round(value, 6))
+
+
+def lookup(key: str, facts: dict[str, Any]) -> str:
+    """The value stored under `key` (case and surrounding spaces ignored), or an error."""
+    wanted = str(key).strip().lower()
+    for name, value in facts.items():
+        if name.lower() == wanted:
+            return str(value)
+    return f"error: no entry for {str(key)[:60]!r}"
+
+
+def call_tool(call: dict[str, Any], facts: dict[str, Any]) -> str:
+    """Run one parsed call `{"name": ..., "arguments": {...}}`; `facts` back the lookup tool."""
+    args = call.get("arguments")
+    args = args if isinstance(args, dict) else {}
+    if call.get("name") == "calculator":
+        return calculate(args.get("expression", ""))
+    if call.get("name") == "lookup":
+        return lookup(args.get("key", ""), facts)
+    return f"error: unknown tool {str(call.get('name'))[:40]!r}"
 
 
 def score(text: str, label) -> float:

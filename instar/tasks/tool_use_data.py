@@ -1,0 +1,93 @@
+"""Data for the tool-use task (instar/tasks/tool_use.py), generated deterministically.
+
+    python -m instar.tasks.tool_use_data     # prints the paths: train, eval, demos
+
+- train/eval JSONL rows: `prompt`, `label` (the number), `facts` (this task's table: the
+  `needed` entries and two distractors), `kind` (one, sum, diff; a third of train each),
+  `id`. No eval question occurs in train (the values are drawn afresh for every row anyway).
+- demos: SFT JSONL (`instar sft --data.train ...`) of the ideal tool-using conversation for
+  the first train rows: lookups, a calculator call where needed, the answer (the number).
+"""
+
+import json
+import random
+
+from instar.tasks.tiny_model import cache_root
+from instar.tasks.tools import CALCULATOR, LOOKUP
+
+PLACES = ["Avalon", "Brill", "Corin", "Dunmore", "Elms", "Fairhold", "Glenn", "Harrow", "Ivel",
+          "Jura", "Kestrel", "Lorn"]
+FIELDS = ["population", "area"]
+
+
+def questions() -> list[tuple[str, str, str, str]]:
+    """Every (kind, field, place a, place b) the task asks about; b is "" for kind `one`."""
+    out = [("one", f, a, "") for f in FIELDS for a in PLACES]
+    return out + [(kind, f, a, b) for kind in ("sum", "diff") for f in FIELDS
+                  for a in PLACES for b in PLACES if a != b]
+
+
+def _row(q: tuple[str, str, str, str], rng: random.Random, n: int) -> dict:
+    kind, field, a, b = q
+    needed = [f"{field} of {a}"] + ([f"{field} of {b}"] if b else [])
+    keys = list(needed)
+    while len(keys) < len(needed) + 2:  # two distractors
+        key = f"{rng.choice(FIELDS)} of {rng.choice(PLACES)}"
+        keys += [key] if key not in keys else []
+    facts = {k: rng.randint(10, 999) for k in keys}
+    x, y = facts[needed[0]], facts[needed[-1]]
+    prompt, label = {
+        "one": (f"What is the {field} of {a}?", x),
+        "sum": (f"What is the {field} of {a} plus the {field} of {b}?", x + y),
+        "diff": (f"What is the {field} of {a} minus the {field} of {b}?", x - y)}[kind]
+    return {"id": f"{kind}-{field}-{a}-{b}-{n}", "prompt": prompt, "label": label,
+            "facts": dict(sorted(facts.items())), "kind": kind, "needed": needed}
+
+
+def _call(name: str, **arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def demo(row: dict) -> dict:
+    """The ideal conversation for a row, as an SFT row `{"messages", "tools"}`."""
+    values = [row["facts"][k] for k in row["needed"]]
+    messages = [{"role": "user", "content": row["prompt"]},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [_call("lookup", key=k) for k in row["needed"]]},
+                *({"role": "tool", "content": str(v)} for v in values)]
+    if row["kind"] != "one":
+        expression = f"{values[0]}{'+' if row['kind'] == 'sum' else '-'}{values[1]}"
+        messages += [{"role": "assistant", "content": "",
+                      "tool_calls": [_call("calculator", expression=expression)]},
+                     {"role": "tool", "content": str(row["label"])}]
+    # the bare number: tokenised as in the tool's result, so the model copies tokens as they are
+    messages.append({"role": "assistant", "content": str(row["label"])})
+    return {"messages": messages, "tools": [CALCULATOR, LOOKUP]}
+
+
+def tool_use_data(n_train: int = 3000, n_eval: int = 64, n_demos: int = 2000) -> tuple[str, str, str]:
+    """Paths of (train, eval, demos) JSONL, written once into the cache."""
+    folder = cache_root() / "data" / f"tool-use-v2-{n_train}-{n_eval}-{n_demos}"
+    paths = [folder / name for name in ("train.jsonl", "eval.jsonl", "demos.jsonl")]
+    if not paths[-1].exists():
+        rng, held_out, by_kind = random.Random(0), [], []
+        quota = {"one": n_eval // 16, "sum": (n_eval - n_eval // 16) // 2}  # 4, 30, 30 of 64
+        for kind in ("one", "sum", "diff"):
+            qs = [q for q in questions() if q[0] == kind]
+            rng.shuffle(qs)
+            n = quota.get(kind, n_eval - len(held_out))
+            held_out += qs[:n]
+            by_kind.append(qs[n:])
+        eval_rows = [_row(q, rng, 0) for q in held_out]
+        train_rows = [_row(rng.choice(by_kind[n % 3]), rng, n) for n in range(n_train)]
+        demos = [demo(r) for r in train_rows[:n_demos]]
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, rows in zip(paths, (train_rows, eval_rows, demos)):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(path)
+    return tuple(str(p) for p in paths)
+
+
+if __name__ == "__main__":
+    print(*tool_use_data(), sep="\n")

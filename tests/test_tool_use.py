@@ -1,0 +1,74 @@
+"""The built-in tool-use task through `instar rollout`, as an Env and as a ChatAgent, on the
+tiny model taught one demonstration (conftest's `teach`): two lookups, a calculator call,
+the answer. Checks the tool calls, the observations between turns (the tools' results,
+rendered by the chat template, never trained on) and the reward."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import teach
+from transformers import AutoTokenizer
+
+from instar.agents.tool_parser import parse_hermes
+from instar.sample import read_jsonl
+from instar.tasks.tool_use_data import demo, tool_use_data
+from instar.tasks.tools import call_tool
+
+
+@pytest.fixture(scope="module")
+def taught(tiny_model, tmp_path_factory):
+    """(model, tasks file, the taught task): a `sum` task and three other train tasks."""
+    tmp = tmp_path_factory.mktemp("tool_use")
+    with open(tool_use_data()[0]) as f:
+        rows = [json.loads(next(f)) for _ in range(4)]
+    row = rows[1]
+    assert row["kind"] == "sum"
+    lesson = demo(row)
+    model = teach(tiny_model, tmp / "model", [lesson["messages"]], lesson["tools"], steps=150)
+    (tmp / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model, tmp / "tasks.jsonl", row
+
+
+def runs(mask: list[bool]) -> list[tuple[bool, int, int]]:
+    """Maximal runs of equal mask values: (value, start, end)."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((mask[start], start, i))
+            start = i
+    return out
+
+
+@pytest.mark.parametrize("agent", ["instar/tasks/tool_use.py", "examples/tool_use_openai.py"])
+def test_tool_use_through_instar_rollout(agent, taught, tmp_path):
+    model, tasks, row = taught
+    out = tmp_path / "samples.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "instar.cli", "rollout", "--agent", agent, "--data", str(tasks),
+         "--out", str(out), "--model", str(model), "--max-tokens", "96",
+         "--max-model-len", "1024", "--temperature", "0.3"],
+        capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    assert summary["episodes"] == 4 and summary["failed"] == {}, summary
+    samples = read_jsonl(out)
+    assert all(s.reward in (0.0, 1.0) for s in samples)
+    (s,) = [s for s in samples if s.rollout_id == f"rollout-{row['id']}-0"]
+    assert s.reward == 1.0 and s.info["tool_calls"] == 3, s.info
+    tok = AutoTokenizer.from_pretrained(model)
+    pieces = runs(s.loss_mask)  # prompt, turn 1, observation, turn 2, observation, turn 3
+    assert [m for m, _, _ in pieces] == [False, True, False, True, False, True]
+    turns = [s.tokens[a:b] for m, a, b in pieces if m]
+    calls = [parse_hermes(tok.decode(t)) for t in turns]
+    assert [[c["name"] for c in turn] for turn in calls] == [["lookup", "lookup"],
+                                                             ["calculator"], []]
+    assert [c["arguments"]["key"] for c in calls[0]] == row["needed"]
+    for turn, (_, a, b) in zip(calls, pieces[2::2]):  # the tools' results, as the template
+        results = [call_tool(c, row["facts"]) for c in turn]  # renders tool turns (ChatML)
+        text = "\n" + "".join(f"<|im_start|>tool\n<tool_response>{r}</tool_response>"
+                              "<|im_end|>\n" for r in results) + "<|im_start|>assistant\n"
+        assert s.tokens[a:b] == tok.encode(text, add_special_tokens=False)
+    assert str(row["label"]) in tok.decode(turns[-1])
+    assert all(lp is None for lp, m in zip(s.logprobs, s.loss_mask) if not m)
