@@ -65,3 +65,28 @@ def test_instar_eval_scores_a_checkpoint_without_training(tmp_path, tiny_model):
     p1, p2, p4 = result["eval/pass@1"], result["eval/pass@2"], result["eval/pass@4"]
     assert 0.0 <= p1 <= p2 <= p4 <= 1.0  # more tries never pass less often
     assert len(read_jsonl(tmp_path / "ev" / "eval_samples.jsonl")) == 24
+
+
+def test_instar_rl_moe_syncs_experts_and_can_freeze_routers(tmp_path):
+    # 2 ranks shard each layer's 3-D expert tensors along the expert dim; after every sync the
+    # engine's probe log-probs must match the trainer's (vLLM-CPU repacks the experts).
+    out = subprocess.run(
+        [sys.executable, "-m", "instar.cli", "rl", "--model.kind", "moe", "--train.steps", "2",
+         "--train.warmup-sft-steps", "0", "--train.freeze", r"mlp\.gate\.",
+         "--data.prompts-per-step", "4", "--rollout.group-size", "4", "--eval.size", "0",
+         "--logging.root", str(tmp_path), "--logging.name", "run", "--logging.no-progress"],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    metrics = [m for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+               if "rollout/reward" in (m := json.loads(line))]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["invariants/sync_probe_diff"] < 1e-4
+        assert m.get("invariants/abs_logprob_diff", 0.0) < 1e-4
+    from instar.tasks.tiny_model import builtin_model
+
+    base = AutoModelForCausalLM.from_pretrained(builtin_model("moe", "tiny", 0)).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").state_dict()
+    router, experts = "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.down_proj"
+    assert base[router].equal(final[router])  # frozen
+    assert not base[experts].equal(final[experts])  # trained, and synced
