@@ -60,7 +60,7 @@ def main():
     (engine,) = launch(str(path), device="cpu", dtype="float32", max_model_len=1024,
                        kv_cache_gb=1, threads=1, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    gw = Gateway(lambda _, ids, s: engine.generate.remote(ids, s), tokenizer, model="tiny",
+    gw = Gateway(lambda _, ids, s, images: engine.generate.remote(ids, s), tokenizer, model="tiny",
                  max_model_len=1024).start()
     timed(lambda i: direct_episode(engine, tokenizer, i), 4)  # warm up both paths
     timed(lambda i: gateway_episode(gw, i), 4)

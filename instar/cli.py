@@ -13,11 +13,12 @@ from instar.config import Config, load_yaml
 
 @dataclass
 class MakeModel:
-    """Build a built-in Qwen3-shaped checkpoint (dense or MoE) from a seed."""
+    """Build a built-in checkpoint (Qwen3 dense or MoE, or a Qwen2-VL vision-language model)
+    from a seed."""
 
     out: str
     """Folder to write the Hugging Face checkpoint to."""
-    kind: Literal["dense", "moe"] = "dense"
+    kind: Literal["dense", "moe", "vl"] = "dense"
     size: Literal["tiny", "small"] = "tiny"
     seed: int = 0
 

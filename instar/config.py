@@ -18,8 +18,9 @@ import yaml
 class ModelConfig:
     path: str = ""
     """Hugging Face checkpoint folder. Empty: the built-in model chosen by kind/size/seed."""
-    kind: Literal["dense", "moe"] = "dense"
-    """Built-in model family (Qwen3 dense or Qwen3-MoE); used when `path` is empty."""
+    kind: Literal["dense", "moe", "vl"] = "dense"
+    """Built-in model family (Qwen3 dense, Qwen3-MoE, or vl: a Qwen2-VL vision-language
+    model, tiny only); used when `path` is empty."""
     size: Literal["tiny", "small"] = "tiny"
     """Built-in model size: tiny (<1M params, tests) or small (~25M, benchmarks)."""
     seed: int = 0
@@ -68,6 +69,9 @@ class RolloutConfig:
     """Sampling temperature; the trainer applies the same one to its log-probs."""
     max_tokens: int = 24
     """Most new tokens per model turn."""
+    ignore_eos: bool = False
+    """Every model turn runs to `max_tokens`, past end-of-turn tokens (fixed-length responses,
+    for benchmarks); what follows such a token is sampled and trained on like the rest."""
     max_model_len: int = 1024
     """Longest sequence (prompt and all turns) the engine accepts."""
     kv_cache_gb: int = 1

@@ -257,7 +257,7 @@ def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], c
     a, temperature = cfg.algo, cfg.rollout.temperature
     seqs = [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs],
                      fresh=[float(v == step - 1) for v in s.versions],
-                     routed_experts=s.routed_experts) for s in samples]
+                     routed_experts=s.routed_experts, images=s.images) for s in samples]
     none = [None] * len(seqs)
     scores = {"logprobs": [q.old_logprobs for q in seqs]}
     if "teacher" in others:
@@ -296,7 +296,8 @@ def preflight(samples: list[Sample], trainer: Trainer, engine, temperature: floa
     with the engine's behaviour log-probs by more than `tol` (mean |Δ|), stop with the most
     likely cause. The mean |Δ| otherwise. (A loss mask on tokens the engine did not sample
     is refused earlier, when the Sample is built.)"""
-    seqs = [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs]) for s in samples]
+    seqs = [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs], images=s.images)
+            for s in samples]
 
     def mismatch(scores):
         return mean(abs(a - b) for q, sc in zip(seqs, scores)
@@ -401,7 +402,7 @@ def run(cfg: Config) -> dict:
     if algo.estimator == "gae":
         others["critic"] = Trainer(cfg, str(model_path), head="value", lr=algo.critic_lr)
     rollouts = make_rollouts(cfg, agent_cls, engines, tokenizer, model_path)
-    sampling = {"temperature": r.temperature, "max_tokens": r.max_tokens}
+    sampling = {"temperature": r.temperature, "max_tokens": r.max_tokens, "ignore_eos": r.ignore_eos}
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # weights to the engine via RAM
     weights = tempfile.mkdtemp(prefix="instar-", dir=shm)
     saved, start, history, summary, failed = run_dir / "checkpoints", 1, [], {}, Counter()
@@ -464,7 +465,6 @@ def run(cfg: Config) -> dict:
             if algo.dynamic_filter:
                 samples = informative(samples)
             t1 = time.time()
-            engine_stats = on_engines(engines, "stats")
             stats = {}
             if samples:
                 if sleeps:
@@ -478,6 +478,7 @@ def run(cfg: Config) -> dict:
             probe_diff = sync(step)
             stream.set_version(step)
             t3 = time.time()
+            engine_stats = on_engines(engines, "stats")
             lags = Counter(step - 1 - v for s in samples
                            for v, m in zip(s.versions, s.loss_mask) if m)
             info_keys = {k for s in episodes for k, v in s.info.items()

@@ -50,8 +50,9 @@ class Sample:
     """Sampling settings the tokens were drawn with (temperature, top_p, ...)."""
     info: dict[str, Any] = field(default_factory=dict)
     """Scalars from the agent (`Result.info`) and per-turn rewards."""
-    images: list[Any] | None = None
-    """Images shown to the model, in order, when there are any."""
+    images: list[str] | None = None
+    """Images shown to the model, as data URLs, in the order of their placeholders in
+    `tokens` (each placeholder expanded as the engine expanded it), when there are any."""
     routed_experts: list[list[list[int]]] | None = None
     """MoE routing per token: [T][layer][top_k] expert ids, when the engine records it."""
 

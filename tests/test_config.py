@@ -52,7 +52,7 @@ def test_flag_surface_is_frozen():
         checkpoint.save_final checkpoint.every checkpoint.keep checkpoint.resume data.eval data.prompts_per_step eval.size eval.every eval.samples eval.temperature eval.max_tokens eval.pass_threshold data.seed
         data.train logging.name logging.progress logging.root logging.tensorboard logging.wandb_project logging.rollouts_every logging.plots model.dtype model.kind
         model.path model.seed model.size rollout.group_size rollout.on_failure rollout.max_retries rollout.preflight rollout.preflight_tol
-        rollout.kv_cache_gb rollout.max_model_len rollout.max_tokens rollout.num_engines rollout.sync_check_tol
+        rollout.kv_cache_gb rollout.max_model_len rollout.max_tokens rollout.ignore_eos rollout.num_engines rollout.sync_check_tol
         rollout.temperature rollout.threads rollout.placement rollout.gpu_memory rollout.partial
         rollout.max_staleness rollout.transport train.freeze train.device train.grad_clip train.lr train.micro_batch_tokens train.lr_warmup_steps train.lr_schedule train.min_lr_ratio train.activation_checkpointing train.cpu_offload
         train.master_dtype train.routing_replay

@@ -27,8 +27,8 @@ class Recorder:
     def __init__(self, engine):
         self.engine, self.outputs = engine, []
 
-    async def __call__(self, episode, ids, sampling):
-        gen = await self.engine.generate.remote(ids, sampling)
+    async def __call__(self, episode, ids, sampling, images):
+        gen = await self.engine.generate.remote(ids, sampling, None, 0, images)
         self.outputs.append(gen)
         return gen
 

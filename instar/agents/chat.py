@@ -42,9 +42,13 @@ def continuation_ids(tokenizer, before: list[Message], after: list[Message],
 
 def canonical(message: Message) -> Message:
     """A message reduced to what the chat template renders (ids and names dropped), so a
-    client's echo of an earlier turn compares equal to what instar recorded."""
+    client's echo of an earlier turn compares equal to what instar recorded. Content is a
+    string, or a list of text and image parts when it has images."""
     content = message.get("content")
-    if isinstance(content, list):
+    if isinstance(content, list) and any(p.get("type") == "image" for p in content):
+        content = [p if p["type"] == "image" else {"type": "text", "text": p.get("text", "")}
+                   for p in content if p.get("type") in ("text", "image")]
+    elif isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
     out: Message = {"role": message["role"], "content": content or ""}
     calls = []

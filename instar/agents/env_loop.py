@@ -6,7 +6,9 @@
            observation --chat template--> ids appended                 loss_mask 0
 
 Every message, observations included, is rendered by the model's own chat template; the
-sampled ids are appended as they are, never re-tokenised.
+sampled ids are appended as they are, never re-tokenised. Images (image parts of the
+messages, `Result.images`) go to the engine with every turn; the engine expands their
+placeholders, and the episode continues from the expanded prompt it reports.
 """
 
 import asyncio
@@ -15,6 +17,7 @@ from typing import Any, Protocol
 
 from instar.agents.chat import as_messages, continuation_ids, prompt_ids
 from instar.agents.contract import Action, Env, Task
+from instar.agents.images import image_urls, with_images
 from instar.sample import Sample
 
 
@@ -25,9 +28,12 @@ class Generated(Protocol):
     finish_reason: str
     text: str
     routed_experts: list | None
+    prompt_ids: list[int] | None
+    """With images: the prompt as the engine expanded it."""
 
 
-Generate = Callable[[list[int], dict[str, Any]], Awaitable[Generated]]
+Generate = Callable[[list[int], dict[str, Any], list[str]], Awaitable[Generated]]
+"""generate(prompt ids, sampling, images as data URLs)"""
 
 
 class EpisodeError(Exception):
@@ -54,6 +60,7 @@ async def agent_call(coro):
 async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
                    sampling: dict[str, Any], max_turns: int) -> dict:
     messages = as_messages(await agent_call(env.reset(task)))
+    images = image_urls(messages)
     tokens = prompt_ids(tokenizer, messages, env.tools)
     mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
     reward, turn_rewards, info, finish, routing = 0.0, [], {}, "max_turns", None
@@ -62,12 +69,18 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         if budget <= 0:
             finish = "max_tokens"
             break
-        gen = await generate(tokens, {**sampling, "max_tokens": min(sampling["max_tokens"], budget)})
+        gen = await generate(tokens, {**sampling, "max_tokens": min(sampling["max_tokens"], budget)},
+                             images)
+        if gen.prompt_ids is not None:  # new image placeholders (in the last observation) expanded
+            grown = len(gen.prompt_ids) - len(tokens)
+            tokens, mask = list(gen.prompt_ids), mask + [False] * grown
+            logprobs, versions = logprobs + [None] * grown, versions + [None] * grown
         n = len(gen.token_ids)
         tokens += gen.token_ids
         mask += [True] * n
         logprobs += gen.logprobs
         versions += gen.versions
+        seen = (len(tokens), len(images))  # what the engine has seen (and expanded)
         routing = gen.routed_experts  # every position the engine has run (GPU MoE only)
         action = Action(gen.text, list(gen.token_ids), env.parse_tool_calls(gen.text))
         result = await agent_call(env.step(action))
@@ -81,7 +94,8 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
             finish = gen.finish_reason if gen.finish_reason != "stop" else "no_observation"
             break
         before = messages + [{"role": "assistant", "content": gen.text}]
-        messages = before + as_messages(result.observation)
+        new = with_images(as_messages(result.observation), result.images)
+        messages, images = before + new, images + image_urls(new)
         obs = continuation_ids(tokenizer, before, messages, env.tools,
                                gen.token_ids[-1:] == [tokenizer.eos_token_id])
         if obs is None:
@@ -92,12 +106,15 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         versions += [None] * len(obs)
     if not any(mask):
         raise EpisodeError("max_tokens", f"the prompt alone exceeds max_tokens={env.max_tokens}")
+    if len(images) > seen[1]:  # a last observation with images the engine never expanded
+        tokens, mask, logprobs, versions = (x[:seen[0]] for x in (tokens, mask, logprobs, versions))
+        images = images[:seen[1]]
     if routing is not None:  # the positions after the last one the engine ran (the final
         # token, a last observation) affect no trained log-prob: they repeat the last row
         routing = routing[:len(tokens)] + routing[-1:] * (len(tokens) - len(routing))
     return dict(tokens=tokens, loss_mask=mask, logprobs=logprobs, versions=versions,
                 reward=reward, finish_reason=finish, info={**info, "turn_rewards": turn_rewards},
-                routed_experts=routing)
+                routed_experts=routing, images=images or None)
 
 
 async def run_env_episode(env: Env, task: Task, generate: Generate, tokenizer,

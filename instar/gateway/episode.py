@@ -22,13 +22,16 @@ async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, sampl
         raise EpisodeError("timeout", f"episode ran over {agent.timeout_s}s") from e
     except EpisodeError:
         session = gateway.sessions.get(sid)
-        if session is None or (session.truncated is None and not session.requeued):
+        if session is None or (session.truncated is None and not session.requeued
+                               and session.failed is None):
             raise
         reward, info = 0.0, {}  # the agent stopped at a limit the gateway enforced
     finally:
         session = gateway.close_session(sid)
     if session.requeued:
         raise Requeue(f"episode {rollout_id} was stopped by a weight update")
+    if session.failed is not None:
+        raise session.failed
     samples = session.samples(reward, info)
     if not samples:
         raise EpisodeError("no_generation", "the agent returned without calling the model")

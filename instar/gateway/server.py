@@ -27,7 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from instar.agents.env_loop import Requeue
+from instar.agents.env_loop import EpisodeError, Requeue
+from instar.agents.images import IMAGE_TOKEN
 from instar.gateway.session import Session
 from instar.gateway.wire import AnthropicWire, OpenAIWire, WireError, bad_request, make_reply
 
@@ -42,6 +43,7 @@ class Gateway:
     def __init__(self, generate, tokenizer, *, model: str, max_model_len: int):
         self.generate, self.tokenizer = generate, tokenizer
         self.model, self.max_model_len = model, max_model_len
+        self.vision = IMAGE_TOKEN in tokenizer.get_vocab()  # the model takes images
         self.api_key = "sk-instar-" + secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}
         self.locks: dict[str, asyncio.Lock] = {}
@@ -133,6 +135,8 @@ class Gateway:
             raise WireError(404, "not_found_error", "unknown session", "session_not_found")
         if session.requeued:
             raise bad_request(RESTARTED, "episode_restarted")
+        if session.failed is not None:
+            raise bad_request(f"this episode failed: {session.failed}", "episode_failed")
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -151,6 +155,8 @@ class Gateway:
                 turn = session.plan(req.messages, req.tools)
             except Exception as e:  # the template could not render these messages
                 raise bad_request(f"cannot render these messages: {e}") from e
+            if turn.images and not self.vision:
+                raise bad_request(f"model {self.model} takes no images", "invalid_image")
             if session.is_retry(turn):
                 reply = session.last_reply
             else:
@@ -167,10 +173,14 @@ class Gateway:
                 params = {**session.sampling, "max_tokens": max_tokens,
                           **({"stop": req.stop} if req.stop else {})}
                 try:
-                    gen = await self.generate(session.rollout_id, turn.prompt_ids, params)
+                    gen = await self.generate(session.rollout_id, turn.prompt_ids, params,
+                                              turn.images)
                 except Requeue as e:
                     session.requeued = True
                     raise bad_request(RESTARTED, "episode_restarted") from e
+                except EpisodeError as e:  # not the agent's doing: the rollout fails as such
+                    session.failed = e
+                    raise bad_request(f"this episode failed: {e}", "episode_failed") from e
                 except Exception as e:
                     raise WireError(503, "api_error", f"the engine failed: {e}") from e
                 reply = make_reply(gen, req.parse_tools, len(turn.prompt_ids))

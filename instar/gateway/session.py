@@ -9,6 +9,8 @@
 
 A retried identical request is answered from the previous reply and not recorded twice.
 Nothing is recorded until a request is accepted, so a refused request changes nothing.
+With images, each request sends all of the conversation's images; the segment takes the
+prompt as the engine expanded their placeholders (see instar/rollout/engine.py).
 """
 
 import json
@@ -25,6 +27,7 @@ class Segment:
     loss_mask: list[bool] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
     sealed_because: str = ""
 
     def extend(self, ids: list[int], logprobs: list[float] | None = None,
@@ -44,6 +47,8 @@ class Turn:
     new_segment: str | None
     """Why a new segment starts here (None: the current one is extended)."""
     key: str
+    images: list[str] = field(default_factory=list)
+    """Data URLs of the conversation's images, in order."""
 
 
 class Session:
@@ -57,6 +62,8 @@ class Session:
         """The limit (max_turns or max_tokens) that refused a request, if one did."""
         self.requeued = False
         """A weight update stopped the episode; it will be restarted."""
+        self.failed: Exception | None = None
+        """The episode failed outside the agent's code (the model sampled an image placeholder)."""
         self.segments: list[Segment] = []
         self.history: list[Message] = []  # canonical messages up to the last reply
         self.tools: list[dict] | None = None
@@ -66,8 +73,10 @@ class Session:
     def plan(self, messages: list[Message], tools: list[dict] | None) -> Turn:
         msgs = [canonical(m) for m in messages]
         key = json.dumps([msgs, tools], sort_keys=True)
+        images = [p["image"] for m in msgs if isinstance(m["content"], list) for p in m["content"]
+                  if p["type"] == "image"]
         if not self.segments:
-            return Turn(prompt_ids(self.tokenizer, msgs, tools), "start", key)
+            return Turn(prompt_ids(self.tokenizer, msgs, tools), "start", key, images)
         reason = None
         if tools != self.tools:
             reason = "tools_changed"
@@ -76,9 +85,9 @@ class Session:
         if reason is None:
             ids = continuation_ids(self.tokenizer, self.history, msgs, tools, self.ended_with_eos)
             if ids is not None:
-                return Turn(self.segments[-1].tokens + ids, None, key)
+                return Turn(self.segments[-1].tokens + ids, None, key, images)
             reason = "template_rewrites_history"
-        return Turn(prompt_ids(self.tokenizer, msgs, tools), reason, key)
+        return Turn(prompt_ids(self.tokenizer, msgs, tools), reason, key, images)
 
     def over_limit(self, turn: Turn) -> str | None:
         """Which per-episode limit a new turn would break, if any (it is then refused)."""
@@ -99,8 +108,9 @@ class Session:
                 self.segments[-1].sealed_because = turn.new_segment
             self.segments.append(Segment())
         seg = self.segments[-1]
-        seg.extend(turn.prompt_ids[len(seg.tokens):])
+        seg.extend((gen.prompt_ids or turn.prompt_ids)[len(seg.tokens):])  # (images expanded)
         seg.extend(list(gen.token_ids), list(gen.logprobs), list(gen.versions))
+        seg.images = turn.images
         self.history = [canonical(m) for m in messages] + [canonical(reply)]
         self.tools = tools
         self.ended_with_eos = gen.token_ids[-1:] == [self.tokenizer.eos_token_id]
@@ -113,6 +123,6 @@ class Session:
         return [Sample(rollout_id=self.rollout_id, group_id=self.group_id, segment=i,
                        tokens=s.tokens, loss_mask=s.loss_mask, logprobs=s.logprobs,
                        versions=s.versions, reward=reward, finish_reason=finish,
-                       sampling=self.sampling,
+                       sampling=self.sampling, images=s.images or None,
                        info={**info, "turns": self.turns, "sealed_because": s.sealed_because})
                 for i, s in enumerate(self.segments) if any(s.loss_mask)]

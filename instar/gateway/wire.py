@@ -3,7 +3,8 @@
 Each wire turns a request body into chat messages + tools + options (`parse`), a generation
 into the wire's response (`response`) or event stream (`stream`), and a refusal into the
 wire's own error shape (`error`). Chat messages are the Hugging Face / OpenAI form that the
-chat template renders.
+chat template renders; images (OpenAI `image_url` parts, Anthropic `image` blocks, both as
+base64 data) become `{"type": "image", "image": data URL}` parts (instar/agents/images.py).
 """
 
 import json
@@ -13,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from instar.agents.images import image_part
 from instar.agents.tool_parser import parse_hermes
 
 _CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
@@ -89,6 +91,25 @@ def _stop_list(stop) -> list[str]:
     raise bad_request("'stop' must be a string or a list of strings")
 
 
+def _image(url: Any) -> dict:
+    if not isinstance(url, str):
+        raise bad_request(f"an image needs a data URL string, got {type(url).__name__}",
+                          "invalid_image")
+    try:
+        return image_part(url)
+    except ValueError as e:
+        raise bad_request(f"invalid image: {e}", "invalid_image") from e
+
+
+def _openai_parts(content: Any) -> Any:
+    """`image_url` parts as image parts; everything else as it is."""
+    if not isinstance(content, list):
+        return content
+    return [_image((p.get("image_url") or {}).get("url") if isinstance(p.get("image_url"), dict)
+                   else p.get("image_url"))
+            if isinstance(p, dict) and p.get("type") == "image_url" else p for p in content]
+
+
 def sse(data: Any, event: str | None = None) -> str:
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -111,7 +132,8 @@ class OpenAIWire:
         tools = body.get("tools") or None
         if tools is not None and not all(isinstance(t, dict) and "function" in t for t in tools):
             raise bad_request("'tools' must be a list of {'type': 'function', 'function': ...}")
-        msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"]}
+        msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"],
+                 **({"content": _openai_parts(m["content"])} if "content" in m else {})}
                 for m in messages]
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
@@ -182,6 +204,23 @@ class AnthropicWire:
             parts.append(block.get("text", ""))
         return "".join(parts)
 
+    @staticmethod
+    def _image(block: dict) -> dict:
+        source = block.get("source")
+        if not isinstance(source, dict) or source.get("type") != "base64":
+            raise bad_request("an image block needs a base64 source (instar fetches nothing "
+                              "from the network)", "invalid_image")
+        return _image(f"data:{source.get('media_type')};base64,{source.get('data')}")
+
+    @classmethod
+    def _content(cls, content) -> str | list[dict]:
+        """Text, or text and image parts where there are images."""
+        if not isinstance(content, list) or not any(
+                isinstance(b, dict) and b.get("type") == "image" for b in content):
+            return cls._text(content)
+        return [cls._image(b) if isinstance(b, dict) and b.get("type") == "image"
+                else {"type": "text", "text": cls._text([b])} for b in content]
+
     @classmethod
     def parse(cls, body: dict) -> Request:
         messages, max_tokens = body.get("messages"), body.get("max_tokens")
@@ -198,22 +237,26 @@ class AnthropicWire:
                 raise bad_request("each message needs role 'user' or 'assistant'")
             blocks = m["content"] if isinstance(m.get("content"), list) else \
                 [{"type": "text", "text": cls._text(m.get("content"))}]
-            text, calls = [], []
+            parts, calls = [], []
             for b in blocks:
                 kind = b.get("type") if isinstance(b, dict) else None
                 if kind == "text":
-                    text.append(b.get("text", ""))
+                    parts.append({"type": "text", "text": b.get("text", "")})
+                elif kind == "image" and m["role"] == "user":
+                    parts.append(cls._image(b))
                 elif kind == "tool_use" and m["role"] == "assistant":
                     calls.append({"name": b.get("name"), "arguments": b.get("input") or {}})
                 elif kind == "tool_result" and m["role"] == "user":
-                    out.append({"role": "tool", "content": cls._text(b.get("content") or "")})
+                    out.append({"role": "tool", "content": cls._content(b.get("content") or "")})
                 else:
                     raise bad_request(f"unsupported content block {kind!r} in a {m['role']} message")
+            text = "".join(p["text"] for p in parts if p["type"] == "text")
             if m["role"] == "assistant":
-                out.append({"role": "assistant", "content": "".join(text),
+                out.append({"role": "assistant", "content": text,
                             **({"tool_calls": calls} if calls else {})})
-            elif text:
-                out.append({"role": "user", "content": "".join(text)})
+            elif parts:  # text parts and images as a list, text alone as a string
+                out.append({"role": "user", "content": parts if any(
+                    p["type"] == "image" for p in parts) else text})
         tools = [{"type": "function", "function": {"name": t.get("name"),
                                                    "description": t.get("description", ""),
                                                    "parameters": t.get("input_schema", {})}}

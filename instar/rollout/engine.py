@@ -10,6 +10,12 @@ rollout (the default) requests in flight are paused, kept, and resumed on the ne
 at the token where the update happened. A request whose episode would become older than
 `max_staleness` versions is aborted instead (finish_reason "abort"); the caller restarts
 the episode. With `partial=False` every request in flight is aborted at an update.
+
+Images (vision-language models): a request carries data URLs, one per image placeholder in
+its prompt, in order. vLLM expands each placeholder to one token per image patch group; the
+result carries the prompt as expanded (`prompt_ids`), which is what the trainer must see. A
+prompt may hold placeholders expanded by an earlier turn: runs of them are collapsed to one
+before vLLM expands them again, identically.
 """
 
 import asyncio
@@ -36,6 +42,14 @@ class Generation:
     routed_experts: list | None = None
     """MoE only, where the engine captures routing: [position][layer][top-k] expert ids for
     the prompt and the generated tokens (None elsewhere)."""
+    prompt_ids: list[int] | None = None
+    """Requests with images: the prompt with each image placeholder expanded as the model
+    saw it (None for text-only requests, whose prompt is exactly what was sent)."""
+
+
+def collapse(ids: list[int], placeholder: int) -> list[int]:
+    """Each run of `placeholder` tokens as one (an image expanded by an earlier turn)."""
+    return [t for i, t in enumerate(ids) if t != placeholder or i == 0 or ids[i - 1] != placeholder]
 
 
 class Engine:
@@ -44,9 +58,13 @@ class Engine:
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: int,
                  threads: int, seed: int, engine_id: int = 0, partial: bool = True,
                  max_staleness: int = 0, capture_routing: bool = False,
-                 gpu_memory_utilization: float = 0.9, transport: str = "file"):
+                 gpu_memory_utilization: float = 0.9, transport: str = "file", nice: int = 0):
+        os.nice(nice)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        # The model runs in the engine-core process: a separate worker process would busy-poll
+        # shared memory for a second after each step, taking a core from the trainer on a CPU
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if transport == "ipc":  # CUDA IPC handles cross into the engine process pickled
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if capture_routing:  # vLLM returns routed experts from its V2 runner only (GPU)
@@ -59,9 +77,14 @@ class Engine:
             logprobs_mode="processed_logprobs",  # after temperature: what sampled the token
             worker_extension_cls="instar.rollout.weight_receiver.WeightReceiver",
             enable_prefix_caching=True, enable_return_routed_experts=capture_routing,
+            distributed_executor_backend="uni",
             gpu_memory_utilization=gpu_memory_utilization,
             weight_transfer_config=None if transport == "file" else {"backend": transport})
         self.llm = AsyncLLM.from_engine_args(args)
+        hf = self.llm.model_config.hf_config
+        self.placeholders = {getattr(hf, k) for k in ("image_token_id", "video_token_id")
+                             if hasattr(hf, k)}
+        """A vision-language model's image/video placeholder ids: never valid as output."""
         self.version, self.engine_id = 0, engine_id
         import ray  # Ray restarted this engine after it died: its constructor runs again
         self.restarted = int(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -73,19 +96,31 @@ class Engine:
         self.ready = asyncio.Event()  # cleared while weights are being loaded
         self.ready.set()
 
-    async def _final(self, prompt_ids: list[int], params, request_id: str | None = None):
+    async def _final(self, prompt_ids: list[int], params, request_id: str | None = None,
+                     images: list[str] = ()):
         """Run one request to completion; its last output."""
         from vllm import TokensPrompt
 
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+        from instar.agents.images import decode
+
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        if images:
+            prompt = TokensPrompt(
+                prompt_token_ids=collapse(prompt_ids, self.llm.model_config.hf_config.image_token_id),
+                multi_modal_data={"image": [decode(u) for u in images]})
+        async for out in self.llm.generate(prompt, params,
                                            request_id=request_id or uuid.uuid4().hex):
             final = out
         return final
 
     async def generate(self, prompt_ids: list[int], sampling: dict, oldest: int | None = None,
-                       current: int = 0) -> Generation:
+                       current: int = 0, images: list[str] = ()) -> Generation:
         """`oldest`: the version of the episode's first generated token, if it has one;
-        `current`: the run's current version (a restarted engine may not have it yet)."""
+        `current`: the run's current version (a restarted engine may not have it yet);
+        `images`: data URLs, one per image placeholder in the prompt.
+
+        finish_reason "placeholder": the model sampled an image placeholder token, which the
+        next turn's engine and the trainer would take for an image slot: the episode fails."""
         from vllm import SamplingParams
 
         await self.ready.wait()  # a request that arrives during an update waits for it
@@ -98,7 +133,8 @@ class Engine:
         self.live[rid] = (oldest, updates)
         self.window["peak"] = max(self.window["peak"], len(self.live))
         try:
-            final = await self._final(prompt_ids, SamplingParams(**sampling, logprobs=0), rid)
+            final = await self._final(prompt_ids, SamplingParams(**sampling, logprobs=0), rid,
+                                      images)
         finally:
             del self.live[rid]
         o = final.outputs[0]
@@ -113,9 +149,11 @@ class Engine:
         w["cached"] += final.num_cached_tokens or 0
         stop = o.stop_reason if isinstance(o.stop_reason, str) else None
         routing = getattr(o, "routed_experts", None)
+        finish = "placeholder" if self.placeholders.intersection(o.token_ids) else o.finish_reason
         return Generation(list(o.token_ids), [s[t].logprob for t, s in zip(o.token_ids, o.logprobs)],
-                          versions, o.finish_reason, o.text, stop, self.engine_id,
-                          None if routing is None else routing.tolist())
+                          versions, finish, o.text, stop, self.engine_id,
+                          None if routing is None else routing.tolist(),
+                          list(final.prompt_token_ids) if images else None)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token given those before it (temperature 1; position 0 gets 0)."""
@@ -195,6 +233,11 @@ class Engine:
 ENGINE_RESTARTS = 3
 
 
+CPU_NICE = 10
+"""On a CPU, engines run at this lower priority: the trainer's step is the critical path,
+and the engines have until it ends to generate the next step's episodes on the same cores."""
+
+
 def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_cache_gb: int,
            threads: int, seed: int, count: int = 1, placement: list[dict] | None = None,
            **options) -> list:
@@ -208,7 +251,8 @@ def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_c
     default = dict(num_cpus=0, num_gpus=1 if device == "cuda" else 0)
     engines = [actor.options(**(placement[i] if placement else default)).remote(
                    model_path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
-                   threads=threads, seed=seed + i, engine_id=i, **options)
+                   threads=threads, seed=seed + i, engine_id=i, nice=CPU_NICE * (device != "cuda"),
+                   **options)
                for i in range(count)]
     ray.get([e.__ray_ready__.remote() for e in engines])
     return engines

@@ -14,7 +14,7 @@ import asyncio
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from instar.agents.env_loop import Requeue
+from instar.agents.env_loop import EpisodeError, Requeue
 
 
 class Router:
@@ -37,15 +37,17 @@ class Router:
             self.live[i] += 1
         return self.assigned[episode]
 
-    async def generate(self, episode: str, ids: list[int], sampling: dict):
-        """One turn of `episode` on its engine; raises Requeue if a weight update stopped it
-        or its engine died."""
+    async def generate(self, episode: str, ids: list[int], sampling: dict,
+                       images: list[str] = ()):
+        """One turn of `episode` on its engine (`images`: data URLs, one per placeholder in
+        `ids`); raises Requeue if a weight update stopped it or its engine died, EpisodeError
+        if the model sampled an image placeholder (see `Engine.generate`)."""
         i = self.engine_of(episode)
         if i in self.recovering:
             await asyncio.shield(self.recovering[i])
         try:
             gen = await self.engines[i].generate.remote(ids, sampling, self.oldest.get(episode),
-                                                        self.version)
+                                                        self.version, images)
         except RayActorError:
             gen = None
         if gen is None or gen.finish_reason == "behind":  # died, or restarted with old weights
@@ -53,6 +55,8 @@ class Router:
             raise Requeue(f"engine {i} was restarted during episode {episode}")
         if gen.finish_reason == "abort":
             raise Requeue(f"episode {episode} was stopped by a weight update")
+        if gen.finish_reason == "placeholder":
+            raise EpisodeError("placeholder", "the model sampled an image placeholder token")
         if gen.versions:
             self.oldest.setdefault(episode, gen.versions[0])
         return gen

@@ -1,6 +1,9 @@
 """Built-in tiny models: Qwen3-shaped checkpoints made locally, deterministically from a seed.
 
-    instar make-model --out DIR [--kind dense|moe] [--size tiny|small] [--seed N]
+    instar make-model --out DIR [--kind dense|moe|vl] [--size tiny|small] [--seed N]
+
+`vl` is a vision-language model (Qwen2-VL: a one-block vision tower, tiny only) whose
+template renders image parts as `<|vision_start|><|image_pad|><|vision_end|>`.
 
 The folder is an ordinary Hugging Face checkpoint (config.json, model.safetensors,
 tokenizer.json, chat template) that transformers and vLLM load. All sizes share one
@@ -20,6 +23,7 @@ BUILD_VERSION = 2
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_MARKS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+VISION_MARKS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 VOCAB_SIZE = 512
 
 # ChatML with tools, in the Qwen style. Tool calls render as <tool_call>{json}</tool_call>;
@@ -66,6 +70,12 @@ Call a tool by replying with <tool_call>{"name": NAME, "arguments": {...}}</tool
 <|im_start|>assistant
 {% endif -%}
 """
+# The vision-language model's template: the same, with image parts rendered as placeholders.
+VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ part.text }}{%- endif -%}",
+    "{{ part.text }}{%- elif part.type in ('image', 'image_url') -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>{%- endif -%}")
+assert VL_CHAT_TEMPLATE != CHAT_TEMPLATE
 
 SHAPES = {
     # dense: Qwen3; moe: Qwen3-MoE. tiny is for tests (well under 1M params),
@@ -80,6 +90,14 @@ SHAPES = {
     ("moe", "small"): dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, head_dim=64, num_experts=8,
                            num_experts_per_tok=2, moe_intermediate_size=512),
+    # vl: Qwen2-VL; text as dense/tiny (M-RoPE sections sum to head_dim / 2). Images are
+    # resized to at most 112x112 pixels: at most 16 image tokens each.
+    ("vl", "tiny"): dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                          "mrope_section": [4, 6, 6]},
+                         vision=dict(depth=1, embed_dim=32, num_heads=2, mlp_ratio=2),
+                         pixels=(28 * 28, 112 * 112)),
 }
 
 
@@ -126,26 +144,58 @@ def build_model(out: str | Path, kind: str = "dense", size: str = "tiny", seed: 
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config, Qwen3MoeConfig
 
     if (kind, size) not in SHAPES:
-        raise ValueError(f"unknown model kind/size {kind}/{size}; choose kind in dense|moe, "
-                         "size in tiny|small")
+        raise ValueError(f"unknown model kind/size {kind}/{size}; choose kind in dense|moe|vl, "
+                         "size in tiny|small (vl: tiny only)")
     out = Path(out)
-    tok = build_tokenizer()
-    cls = Qwen3Config if kind == "dense" else Qwen3MoeConfig
-    config = cls(vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
-                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                 bos_token_id=None, **SHAPES[kind, size])
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tok = saved = build_tokenizer()
+    if kind == "vl":  # the processor (tokenizer, image processor) is saved with the model
+        model, saved = _vision_language(tok, dict(SHAPES[kind, size]), seed)
+    else:
+        cls = Qwen3Config if kind == "dense" else Qwen3MoeConfig
+        config = cls(vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                     bos_token_id=None, **SHAPES[kind, size])
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    saved.save_pretrained(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def _vision_language(tok, shape: dict, seed: int):
+    """A Qwen2-VL model and its processor; `tok` (the shared tokenizer) gains the vision
+    tokens (ids after the text ones, so text tokenises as for the other models)."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL[1:] + VISION_MARKS})
+    tok.chat_template = VL_CHAT_TEMPLATE
+    vision, (min_pixels, max_pixels) = shape.pop("vision"), shape.pop("pixels")
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                    "video_token_id"), tok.convert_tokens_to_ids(VISION_MARKS)))
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), max_position_embeddings=4096,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None, **shape),
+        vision_config=dict(hidden_size=shape["hidden_size"], **vision),
+        tie_word_embeddings=True, **ids)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    images = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    return model, Qwen2VLProcessor(image_processor=images, tokenizer=tok,
+                                   video_processor=Qwen2VLVideoProcessor(),
+                                   chat_template=VL_CHAT_TEMPLATE)
 
 
 def cache_root() -> Path:

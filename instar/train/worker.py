@@ -8,6 +8,10 @@ Precision: the ranks hold their shards, gradients and AdamW states in `master_dt
 (float32 by default) and compute in the model's `dtype`: FSDP2 casts each layer's gathered
 weights to `dtype` for the forward and backward and reduces gradients in float32. What goes
 to the engines (`save_shard`, `full_state_dict`, the GPU transports) is cast to `dtype`.
+
+Vision-language models (Qwen-VL): a sequence's `images` (data URLs, one per expanded run of
+placeholders in its tokens) go through the model's own image processor, as in the engine, and
+the forward gets their `pixel_values` and `image_grid_thw`.
 """
 
 import dataclasses
@@ -24,8 +28,15 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForTokenClassification,
+)
 
+from instar.agents.images import decode
 from instar.cluster import init_process_group
 from instar.config import AlgoConfig
 from instar.train import checkpoint
@@ -56,6 +67,8 @@ class Sequence:
     engine-vs-trainer mismatch is measured."""
     routed_experts: list[list[list[int]]] | None = None
     """MoE: the experts the engine chose, [T][layer][top_k] (replayed, see routing.py)."""
+    images: list[str] | None = None
+    """Vision-language models: the images of `tokens`' placeholders, as data URLs, in order."""
 
 
 PER_TOKEN = ("old_logprobs", "advantages", "trainer_logprobs", "ref_logprobs", "returns",
@@ -125,7 +138,12 @@ class TrainWorker:
         self.rank, self.world = rank, world
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         init_process_group(rank, world, master, device)  # rank 0's node serves the rendezvous
-        auto = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
+        config = AutoConfig.from_pretrained(model_path)
+        vision = hasattr(config, "vision_config")
+        auto = AutoModelForTokenClassification if head != "lm" else \
+            AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path) if vision else None
+        self.image_token = getattr(config, "image_token_id", None)
         self.dtype = getattr(torch, dtype)  # compute, and what the engines load
         model = auto.from_pretrained(model_path, dtype=getattr(torch, master_dtype),
                                      **({} if head == "lm" else {"num_labels": 1}))
@@ -144,7 +162,7 @@ class TrainWorker:
         # reduce-scatters the summed gradients once. GPUs: FSDP2's memory-lean defaults, one
         # layer unsharded at a time and gradients reduce-scattered after every micro-batch.
         self.gather_once = self.device.type == "cpu"
-        for layer in model.model.layers:
+        for layer in getattr(model.model, "language_model", model.model).layers:
             fully_shard(layer, mp_policy=mixed, reshard_after_forward=not self.gather_once,
                         **offload)
         fully_shard(model, mp_policy=mixed, **offload)
@@ -171,6 +189,10 @@ class TrainWorker:
         for name in PER_TOKEN:
             if getattr(seqs[0], name) is not None:
                 b[name] = column([getattr(s, name) for s in seqs], torch.float32)
+        if urls := [u for s in seqs for u in s.images or ()]:  # in the order of the placeholders
+            pixels = self.image_processor(images=[decode(u) for u in urls], return_tensors="pt")
+            b["pixel_values"] = pixels["pixel_values"].to(self.device)
+            b["image_grid_thw"] = pixels["image_grid_thw"].to(self.device)
         if self.replay and all(s.routed_experts is not None for s in seqs):
             b["routed_experts"] = column([s.routed_experts for s in seqs], torch.long,
                                          pad=seqs[0].routed_experts[0])  # padding: any row
@@ -180,7 +202,10 @@ class TrainWorker:
         """Log-probs of the tokens (policy) or values (critic), [B, T], in float32."""
         if self.replay:  # kept until the next forward: recomputed layers replay it too
             self.replay.use(b.get("routed_experts"))
-        logits = self.model(input_ids=b["tokens"], attention_mask=b["attn"]).logits
+        images = {} if "pixel_values" not in b else dict(
+            pixel_values=b["pixel_values"], image_grid_thw=b["image_grid_thw"],
+            mm_token_type_ids=(b["tokens"] == self.image_token).long())  # (for M-RoPE)
+        logits = self.model(input_ids=b["tokens"], attention_mask=b["attn"], **images).logits
         return logits[..., 0].float() if self.head == "value" else token_logprobs(
             logits, b["tokens"], temperature)
 
