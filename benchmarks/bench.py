@@ -8,7 +8,7 @@ machine's matmul peak measured in the same run.
 Writes benchmarks/results/bench.json and bench.md. The workloads (benchmarks/bench_tasks.py):
 grpo-small (16 prompts x 8 samples, up to 128 new tokens; float32, and bfloat16 as
 grpo-small-bf16), agentic (4 model turns, a 50 ms tool call after each), long (4 x 4 samples,
-up to 1024 new tokens). For each, both sides start from the same weights folder (the built-in
+1024 new tokens each: generation does not stop at end-of-turn tokens). For each, both sides start from the same weights folder (the built-in
 small model, ~24M parameters; agentic: the same after instar's cached supervised warm-up, so
 that turns end and episodes go on), take the same prompts in the same order, sample as many
 completions with the same temperature and token limits, and train with the same AdamW
@@ -48,7 +48,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -108,16 +107,6 @@ def write_tasks(w: Workload, folder: Path) -> tuple[Path, Path]:
     return ours, theirs
 
 
-def watch(path: Path, stop: threading.Event, arrivals: list[float]) -> None:
-    """When each line of `path` appeared (the loop writes metrics.jsonl once a step)."""
-    seen = 0
-    while not stop.is_set():
-        n = path.read_text().count("\n") if path.exists() else 0
-        arrivals += [time.perf_counter()] * (n - seen)
-        seen = n
-        time.sleep(0.02)
-
-
 def obs_tokens(tok, s: str) -> int:
     """Tokens of the tool result that follows a turn on string `s`."""
     before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -134,6 +123,7 @@ def instar_side(w: Workload, model: Path, tasks: Path, root: Path,
         cfg.agent.config = {"turns": str(w.turns), "latency_s": str(w.tool_latency_s)}
     r = cfg.rollout
     r.group_size, r.max_tokens, r.max_model_len = w.group_size, w.max_tokens, 512 + w.max_tokens * w.turns
+    r.ignore_eos = w.fixed_length
     r.preflight = 0  # a correctness check before step 1, not part of a step
     if w.dtype == "bfloat16":
         r.sync_check_tol = 5e-2
@@ -141,16 +131,8 @@ def instar_side(w: Workload, model: Path, tasks: Path, root: Path,
     cfg.eval.size, cfg.checkpoint.save_final = 0, False
     cfg.logging.progress = cfg.logging.plots = cfg.logging.tensorboard = False
     cfg.logging.root, cfg.logging.name = str(root), "instar"
-    metrics = root / "instar" / "metrics.jsonl"
-    stop, arrivals = threading.Event(), []
-    watcher = threading.Thread(target=watch, args=(metrics, stop, arrivals), daemon=True)
-    watcher.start()
-    try:
-        run(cfg)
-    finally:
-        stop.set()
-        watcher.join()
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    run(cfg)
+    lines = [json.loads(x) for x in (root / "instar" / "metrics.jsonl").read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(model)
     prompt_len = {t.id: len(prompt_ids(tok, as_messages(t.prompt), None))
                   for t in load_tasks(str(tasks))}
@@ -160,7 +142,7 @@ def instar_side(w: Workload, model: Path, tasks: Path, root: Path,
         episodes = w.prompts_per_step * w.group_size - m["rollout/failed"]
         extra = episodes * (m.get("rollout/info/turns", 1) - 1) * obs_len
         steps.append({
-            "step_s": arrivals[k] - arrivals[k - 1] if k else None,
+            "step_s": m["time"] - lines[k - 1]["time"] if k else None,  # wall, between lines
             "wait_s": m["timing/wait_s"], "train_s": m["timing/train_s"],
             "sync_s": m["timing/sync_s"], "loop_step_s": m["timing/step_s"],
             "gen_tokens": m["rollout/gen_tokens"], "episodes": episodes,
@@ -168,7 +150,7 @@ def instar_side(w: Workload, model: Path, tasks: Path, root: Path,
             + m["rollout/gen_tokens"] + extra,
             "turns": m.get("rollout/info/turns", 1), "prompts": m["prompts"]})
     settings = {k: asdict(cfg)[g][k] for g, keys in {
-        "model": ["dtype"], "rollout": ["group_size", "max_tokens", "temperature",
+        "model": ["dtype"], "rollout": ["group_size", "max_tokens", "ignore_eos", "temperature",
                                         "max_staleness", "threads", "num_engines", "partial",
                                         "placement", "transport"],
         "train": ["device", "num_ranks", "threads_per_rank", "lr", "weight_decay", "grad_clip",
@@ -184,13 +166,15 @@ def trl_side(w: Workload, model: Path, tasks: Path, root: Path, site: str) -> tu
     spec.write_text(json.dumps({"workload": asdict(w), "model": str(model), "tasks": str(tasks)}))
     env = {**os.environ, "PYTHONPATH": site, "TRL_EXPERIMENTAL_SILENCE": "1"}
     with open(root / "trl.log", "w") as log:
-        subprocess.run([sys.executable, str(HERE / "bench_trl.py"), str(spec), str(out)],
-                       env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+        done = subprocess.run([sys.executable, str(HERE / "bench_trl.py"), str(spec), str(out)],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise RuntimeError(f"the TRL side failed; its output is in {root / 'trl.log'}")
     result = json.loads(out.read_text())
     return result["steps"][w.warmup_steps:], result["settings"]
 
 
-def figures(steps: list[dict], w: Workload, model: Path, peak: float) -> dict:
+def figures(steps: list[dict], model: Path, peak: float) -> dict:
     wall = sum(s["step_s"] for s in steps)
     seqs = sum(s["episodes"] for s in steps)
     length = sum(s["trained_tokens"] for s in steps) / seqs  # mean tokens per sequence
@@ -233,9 +217,8 @@ def compare(name: str, w: Workload, root: Path, site: str, size: str) -> dict:
 
 
 def summarise(raw: dict, peak: float) -> dict:
-    w, steps = Workload(**raw["settings"]["workload"]), raw["per_step"]
-    model = Path(raw["settings"]["weights"])
-    a, b = figures(steps["instar"], w, model, peak), figures(steps["trl"], w, model, peak)
+    steps, model = raw["per_step"], Path(raw["settings"]["weights"])
+    a, b = figures(steps["instar"], model, peak), figures(steps["trl"], model, peak)
     out = {}
     for k in a:
         x, y = (a[k]["median"], b[k]["median"]) if k == "step_s" else (a[k], b[k])
@@ -275,7 +258,8 @@ def markdown(result: dict) -> str:
                 ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in split.items()) + " |"]))
     m = result["machine"]
     lines = [f"# instar vs TRL ({result['date']}{', --quick' if result['quick'] else ''})", "",
-             f"`{result['command']}`", "", *rows, "",
+             f"`{result['command']}`: {result['wall_s'] / 60:.1f} min"
+             + ("" if result["final"] else " so far (unfinished: partial results)"), "", *rows, "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, no GPU; torch "
              f"{m['torch']}. Load average (1 min) before/after: {result['load_before']} / "
              f"{result['load_after']}. Matmul peak measured in this run (2048^3, all cores): "
@@ -327,23 +311,29 @@ def main():
               "CPU): the bfloat16 workloads run only when named in --only")
     names = args.only or [n for n in table if native_bf16 or table[n].dtype != "bfloat16"]
     peaks = {"float32": fp32, "bfloat16": matmul_peak(torch.bfloat16) if native_bf16 else bf16}
-    raw = {name: compare(name, table[name], Path(tempfile.mkdtemp(prefix=f"bench-{name}-")),
-                         args.trl_site, args.size) for name in names}
+    start, raw = time.perf_counter(), {}
+
+    def write(final: bool) -> str:
+        workloads = {name: summarise(r, peaks[r["settings"]["workload"]["dtype"]])
+                     for name, r in raw.items()}
+        result = {"date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick, "final": final,
+                  "command": " ".join([".venv/bin/python benchmarks/bench.py", *sys.argv[1:]]),
+                  "wall_s": time.perf_counter() - start, "machine": machine(),
+                  "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
+                  "peak_gflops": {k: v / 1e9 for k, v in peaks.items()}, "workloads": workloads}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "bench.md").write_text(markdown(result))
+        return markdown(result)
+
+    for name in names:  # the results so far are written after each workload
+        raw[name] = compare(name, table[name], Path(tempfile.mkdtemp(prefix=f"bench-{name}-")),
+                            args.trl_site, args.size)
+        write(final=False)
     for dtype in peaks:  # the best of before and after: the machine may be shared
         peaks[dtype] = max(peaks[dtype], matmul_peak(getattr(torch, dtype), size[dtype]))
-    workloads = {name: summarise(r, peaks[r["settings"]["workload"]["dtype"]])
-                 for name, r in raw.items()}
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick,
-              "command": " ".join([".venv/bin/python benchmarks/bench.py", *sys.argv[1:]]),
-              "machine": machine(), "load_before": round(load_before, 2),
-              "load_after": round(os.getloadavg()[0], 2),
-              "peak_gflops": {k: v / 1e9 for k, v in peaks.items()}, "workloads": workloads}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "bench.md").write_text(markdown(result))
-    print(markdown(result))
-
+    print(write(final=True))
 
 if __name__ == "__main__":
     main()

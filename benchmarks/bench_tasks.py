@@ -6,7 +6,7 @@ side (benchmarks/bench_trl.py) imports the same reward and the same turn rule.
   grpo-small  one turn: "Reverse: abcd" -> the answer; reward = fraction of letters right
   agentic     4 model turns; each turn that ends its message is one tool call taking 50 ms,
               whose result is the next string to reverse (its letters shifted by one)
-  long        one turn, few samples, up to 1024 new tokens
+  long        one turn, few samples, 1024 new tokens each (fixed length)
 """
 
 import asyncio
@@ -35,6 +35,8 @@ class Workload:
     start from the warmed-up weights."""
     dtype: str = "float32"
     lr: float = 1e-5
+    fixed_length: bool = False
+    """Every response runs to `max_tokens` (end-of-turn tokens do not stop it), on both sides."""
 
     @property
     def agent(self) -> str:
@@ -48,14 +50,14 @@ WORKLOADS = {
     "grpo-small-bf16": Workload(16, 8, 128, steps=10, warmup_steps=2, dtype="bfloat16"),
     "agentic": Workload(16, 8, 24, steps=10, warmup_steps=2, turns=4, tool_latency_s=0.05,
                         sft_steps=SFT_STEPS),
-    "long": Workload(4, 4, 1024, steps=5, warmup_steps=1),
+    "long": Workload(4, 4, 1024, steps=5, warmup_steps=1, fixed_length=True),
 }
 QUICK = {  # reduced forms for --quick: all of them in under 10 minutes on 2 cores
     "grpo-small": Workload(4, 8, 64, steps=3, warmup_steps=1),
     "grpo-small-bf16": Workload(4, 8, 64, steps=3, warmup_steps=1, dtype="bfloat16"),
     "agentic": Workload(4, 8, 24, steps=3, warmup_steps=1, turns=4, tool_latency_s=0.05,
                         sft_steps=SFT_STEPS),
-    "long": Workload(2, 2, 1024, steps=2, warmup_steps=1),
+    "long": Workload(2, 2, 1024, steps=2, warmup_steps=1, fixed_length=True),
 }
 
 

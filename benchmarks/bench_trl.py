@@ -128,7 +128,8 @@ def main(spec_file: str, out_file: str):
         learning_rate=w.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, loss_type="dapo", bf16=w.dtype == "bfloat16",
-        gradient_checkpointing=False)
+        gradient_checkpointing=False,
+        generation_kwargs={"min_new_tokens": w.max_tokens} if w.fixed_length else None)
     if w.turns > 1:
         def reward(completions, episode_reward, **kw):
             return episode_reward
@@ -149,7 +150,8 @@ def main(spec_file: str, out_file: str):
                     "learning_rate", "optim", "adam_beta1", "adam_beta2", "adam_epsilon",
                     "weight_decay", "max_grad_norm", "lr_scheduler_type", "beta", "epsilon",
                     "loss_type", "bf16", "gradient_checkpointing", "num_generations",
-                    "max_completion_length", "temperature", "scale_rewards")}}
+                    "max_completion_length", "temperature", "scale_rewards",
+                    "generation_kwargs")}}
     open(out_file, "w").write(json.dumps({"steps": steps, "settings": settings}, indent=1))
 
 

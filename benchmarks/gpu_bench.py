@@ -122,7 +122,7 @@ def main():
         steps, settings = instar_side(w, model, write_tasks(w, run_root)[0], run_root, overrides)
         for s in steps:
             s["idle_s"] = s["step_s"] - s["loop_step_s"]
-        f = figures(steps, w, model, peak)
+        f = figures(steps, model, peak)
         results[name] = {
             "model": shape, "gen_tokens_per_gpu_s": f["gen_tokens_per_s"],
             "trained_tokens_per_gpu_s": f["trained_tokens_per_s"],

@@ -7,7 +7,7 @@ FLOPs utilisation against this machine's matmul peak, all measured in one run:
     optimizer, with the default 2 ranks x 1 thread and with 1 rank x 2 threads;
   - the three take their steps in turn, round after round, so that the load of a shared
     machine weighs on all of them alike; ratios are medians of the per-round ratios;
-  - peak: the best of a few float32 matmuls (2048^3) on all cores;
+  - peak: the best of a few float32 matmuls (2048^3) on all cores, before and after;
   - MFU: 6 x (parameters used per token) + attention, per trained token, over the peak.
 
     .venv/bin/python benchmarks/trainer.py   # writes benchmarks/results/trainer.json
@@ -113,6 +113,7 @@ def main():
     two.shutdown()
     one.shutdown()
     ray.shutdown()
+    peak = max(peak, matmul_peak())  # before and after: the machine is shared
     plain_s, two_ranks_s, one_rank_s = (statistics.median(times[k]) for k in steps)
     ratio = {k: statistics.median(p / t for p, t in zip(times["plain"], times[k]))
              for k in ("two", "one")}

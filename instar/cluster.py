@@ -26,6 +26,8 @@ def start_ray(address: str) -> str:
     if address:
         ray.init(address=address, log_to_driver=False, runtime_env=env)
         return "logs/ of the Ray session directory on each node (default /tmp/ray/session_latest)"
+    # Ray runs its workers at nice 15 by default; here they are the job (engines, ranks)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env=env)
     return "/tmp/ray/session_latest/logs"

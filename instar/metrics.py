@@ -1,7 +1,9 @@
 """A run's log: metrics.jsonl (one line a step or eval), TensorBoard event files, and W&B
-when a project is configured. Non-numeric values (lists of prompt ids) go to the JSONL only."""
+when a project is configured. Each JSONL line carries `time` (Unix seconds, when it was
+written). Non-numeric values (lists of prompt ids) go to the JSONL only."""
 
 import json
+import time
 from pathlib import Path
 
 
@@ -23,7 +25,7 @@ class RunLog:
                                     dir=str(run_dir), resume="allow")
 
     def log(self, m: dict, step: int) -> None:
-        self.file.write(json.dumps(m) + "\n")
+        self.file.write(json.dumps({**m, "time": round(time.time(), 3)}) + "\n")
         self.file.flush()
         numbers = {k: v for k, v in m.items()
                    if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"}

@@ -108,7 +108,7 @@ class Rollouts:
         agent = self._agent()
         try:
             if self.gateway is None:
-                generate = lambda ids, s: self.router.generate(rollout_id, ids, s)  # noqa: E731
+                generate = lambda ids, s, im: self.router.generate(rollout_id, ids, s, im)  # noqa: E731
                 return [await run_env_episode(agent, task, generate, self.tokenizer, sampling,
                                               rollout_id, group_id)]
             return await run_chat_episode(agent, task, self.gateway, sampling, rollout_id,
@@ -191,23 +191,19 @@ class Stream:
         self.next, self.version = first_ticket, version
         self.done: dict[int, Batch] = {}
         self.changed = asyncio.Condition()
+        self.running: set[asyncio.Future] = set()
         self.producer = rollouts.submit(self._produce())
 
     def _admitted(self) -> bool:
         return self.next // self.per_step - self.version <= self.max_staleness
 
     async def _produce(self) -> None:
-        groups = set()
-        try:
-            while True:
-                async with self.changed:
-                    await self.changed.wait_for(self._admitted)
-                t, self.next = self.next, self.next + 1
-                groups.add(g := asyncio.ensure_future(self._group(t)))
-                g.add_done_callback(groups.discard)
-        finally:  # closed: stop the groups still running
-            for g in groups:
-                g.cancel()
+        while True:
+            async with self.changed:
+                await self.changed.wait_for(self._admitted)
+            t, self.next = self.next, self.next + 1
+            self.running.add(g := asyncio.ensure_future(self._group(t)))
+            g.add_done_callback(self.running.discard)
 
     async def _group(self, t: int) -> None:
         try:
@@ -241,4 +237,11 @@ class Stream:
         self.rollouts.submit(notify()).result()
 
     def close(self) -> None:
+        """Stop admitting tickets; cancel the groups still running and wait until they end."""
         self.producer.cancel()
+
+        async def drain():
+            for g in self.running:
+                g.cancel()
+            await asyncio.gather(*self.running, return_exceptions=True)
+        self.rollouts.submit(drain()).result()
