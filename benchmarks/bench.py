@@ -201,10 +201,12 @@ def compare(name: str, w: Workload, root: Path, site: str, size: str) -> dict:
     assert w.warmup_steps >= 1, "the first step has no previous one to time it from"
     model = weights_for(w, builtin_model("dense", size, 0))
     ours, theirs = write_tasks(w, root)
-    print(f"[{name}] instar ...", flush=True)
+    t0 = time.perf_counter()
     instar_steps, instar_settings = instar_side(w, model, ours, root)
-    print(f"[{name}] TRL ...", flush=True)
+    t1 = time.perf_counter()
     trl_steps, trl_settings = trl_side(w, model, theirs, root, site)
+    print(f"[{name}] instar {t1 - t0:.0f} s, TRL {time.perf_counter() - t1:.0f} s (wall, "
+          "start-up included)", flush=True)
     for s in instar_steps:
         s["idle_s"] = s["step_s"] - s["loop_step_s"]
     for s in trl_steps:

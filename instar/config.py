@@ -199,7 +199,8 @@ class AlgoConfig:
     """PPO only: for negative advantages the loss is at most -dual_clip * A (> 1; None: off)."""
     is_mode: Literal["off", "mask", "clip", "truncate"] = "off"
     """Off-policy correction: weight the loss by trainer-old / behaviour probabilities, with
-    weights outside [is_low, is_high] zeroed (mask), clamped (clip) or capped (truncate)."""
+    weights outside [is_low, is_high] zeroed (mask), clamped (clip) or capped (truncate).
+    Trainer-old comes from the update's own forward (one update per batch): no extra pass."""
     is_level: Literal["token", "sequence", "geometric"] = "token"
     """Importance weights per token, per sequence, or the per-token geometric mean."""
     is_low: float = 0.5

@@ -18,10 +18,12 @@ One step:
      for KL, a teacher for distillation, a critic for GAE); advantages per token;
   3. each rank runs forward/backward on its micro-batches, then one optimizer step;
   4. the engines load the new weights, the version goes up by one;
-  5. engines and trainer score a fixed probe sequence: a mismatch stops the run.
+  5. engines and trainer score a fixed probe sequence: a mismatch stops the run (checked
+     before the next update, so the engines' probe overlaps the next rollouts).
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -31,6 +33,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -176,11 +179,13 @@ def wait_restarted(engine) -> None:
             time.sleep(1)
 
 
-def verify_weights(engines: list, probe: list[int], expected: list[float], tol: float) -> float:
-    """Fingerprint check: each engine scores the probe sequence; if its log-probs differ from
-    the trainer's (`expected`) by more than `tol`, it does not hold the trainer's weights."""
+def verify_weights(engines: list, probe: list[int], expected: list[float], tol: float,
+                   refs: list | None = None) -> float:
+    """Fingerprint check: each engine scores the probe sequence (`refs`: those calls, already
+    made); if its log-probs differ from the trainer's (`expected`) by more than `tol`, it does
+    not hold the trainer's weights."""
     worst = 0.0
-    for i, got in enumerate(on_engines(engines, "prompt_logprobs", probe)):
+    for i, got in enumerate(on_engines(engines, "prompt_logprobs", probe, refs=refs)):
         diff = max(abs(a - b) for a, b in zip(got[1:], expected[1:]))
         if diff > tol:
             raise RuntimeError(f"weight sync check failed: on the probe sequence engine {i}'s "
@@ -193,8 +198,10 @@ def verify_weights(engines: list, probe: list[int], expected: list[float], tol: 
 
 
 def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, probe: list[int],
-                 tol: float, transport: str = "file") -> float:
-    """Push the trainer's weights into every engine as `version`, then check them."""
+                 tol: float, transport: str = "file") -> Callable[[], float]:
+    """Push the trainer's weights into every engine as `version`. Returns their check, already
+    running on the engines: call it (once or more; it waits once) before the new weights'
+    tokens are trained on or evaluated."""
     if transport == "file":  # each rank's shards through `folder` (RAM), into reload_weights
         paths = trainer.save_shards(folder)
         loads = [e.load_weights.remote(paths, version) for e in engines]
@@ -207,7 +214,8 @@ def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, pro
         finally:
             ray.get([e.resume.remote(version) for e in engines])
         expected = trainer.probe(probe)
-    return verify_weights(engines, probe, expected, tol)
+    refs = [e.prompt_logprobs.remote(probe) for e in engines]
+    return functools.cache(lambda: verify_weights(engines, probe, expected, tol, refs))
 
 
 def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
@@ -269,9 +277,7 @@ def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], c
                                   a.kl_estimator)).tolist() for q, r in zip(seqs, ref)] \
         if "reference" in others and a.kl_in_reward else None
     adv, returns = sample_advantages(samples, a.estimator, scores, penalty, a.gamma, a.lam)
-    old = trainer.score(seqs, temperature) if a.is_mode != "off" else none
-    seqs = [replace(q, advantages=ad, trainer_logprobs=o, ref_logprobs=rf)
-            for q, ad, o, rf in zip(seqs, adv, old, ref)]
+    seqs = [replace(q, advantages=ad, ref_logprobs=rf) for q, ad, rf in zip(seqs, adv, ref)]
     lr = lr_at(step, cfg.train)
     stats = {**trainer.step(seqs, "pg", lr), "lr": lr}
     fresh = stats.pop("mismatch_tokens")
@@ -393,7 +399,9 @@ def run(cfg: Config) -> dict:
         trainer.connect(engines, r.transport)
     sleeps = r.placement == "colocated" and t.device == "cuda"  # engines free the GPU to train
     probe = prompt_ids(tokenizer, as_messages(train_tasks[0].prompt), None)
-    verify_weights(engines, probe, trainer.probe(probe), r.sync_check_tol)  # same start
+    check = functools.cache(lambda: verify_weights(engines, probe, trainer.probe(probe),
+                                                   r.sync_check_tol))
+    check()  # the same weights at the start
     algo, others = cfg.algo, {}  # other models, built only when the algorithm needs them
     if algo.kl_coef > 0:
         others["reference"] = Trainer(cfg, algo.reference or str(model_path), frozen=True)
@@ -420,16 +428,17 @@ def run(cfg: Config) -> dict:
         failed.update(batch.failed)
         return batch.samples
 
-    def sync(version: int) -> float:
-        diff = sync_weights(trainer, engines, weights, version, probe, r.sync_check_tol,
-                            r.transport)
+    def sync(version: int) -> None:
+        nonlocal check  # the probe check runs on the engines while the loop moves on
+        check = sync_weights(trainer, engines, weights, version, probe, r.sync_check_tol,
+                             r.transport)
         rollouts.router.version, rollouts.router.weights = version, sorted(
             str(p) for p in Path(weights).glob("*.safetensors"))
-        return diff
 
     def evaluate_now(step: int, tag: str) -> dict:
         if not eval_tasks:
             return {}
+        check()
         m, batch = evaluate(rollouts, eval_tasks, cfg.eval, r.max_tokens, tag)
         collect(batch)
         log.log({"step": step, **m}, step)
@@ -458,6 +467,7 @@ def run(cfg: Config) -> dict:
             for group in stream.take(step):  # this step's groups, generated at versions
                 result.add(group)            # >= step - 1 - max_staleness
             samples = collect(result)
+            probe_diff = check()  # the engines hold weights step - 1 (before any is trained on)
             if not samples:
                 raise RuntimeError(f"step {step}: every rollout failed ({dict(result.failed)}); "
                                    f"see {failures_file.name}")
@@ -475,7 +485,7 @@ def run(cfg: Config) -> dict:
             else:
                 console.log(f"step {step}: every group had equal rewards; no update")
             t2 = time.time()
-            probe_diff = sync(step)
+            sync(step)
             stream.set_version(step)
             t3 = time.time()
             engine_stats = on_engines(engines, "stats")
@@ -519,6 +529,7 @@ def run(cfg: Config) -> dict:
                 f"{m['perf/gen_tokens_per_s']:.0f} tok/s | wait {t1 - t0:.1f}s "
                 f"train {t2 - t1:.1f}s sync {t3 - t2:.1f}s"))
     stream.close()
+    check()
     summary["eval_reward_after"] = evaluate_now(cfg.train.steps, "eval-after").get("eval/reward")
     log.close()
     failures_file.close()

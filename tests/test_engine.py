@@ -51,7 +51,7 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
                          [0.0] * (len(p) + len(g.token_ids))) for p, g in before]
         trainer.step(seqs, "sft", lr=1e-2)
         probe = prompt_ids(tokenizer, PROMPTS[1])
-        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4) < 1e-4
+        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4)() < 1e-4
         path = tmp_path / "policy.safetensors"
         trainer.save_weights(str(path))  # the full weights, to compare with transformers
 
@@ -116,7 +116,7 @@ def test_frozen_tensors_are_not_resent_and_the_sync_still_verifies(engine, token
                          [0.0] * (len(p) + len(g.token_ids))) for p, g in generate_all(engine, tokenizer)]
         trainer.step(seqs, "sft", lr=1e-2)
         probe = prompt_ids(tokenizer, PROMPTS[0])
-        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4) < 1e-4
+        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4)() < 1e-4
         sent = set()
         for f in tmp_path.glob("rank-*.safetensors"):
             with safe_open(str(f), "pt") as shard_file:

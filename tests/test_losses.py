@@ -53,15 +53,14 @@ def test_policy_loss_negative_advantage_clips_from_below():
 def test_policy_loss_off_policy_correction_and_kl_term():
     mask = torch.tensor([[1.0, 1.0]])
     logp = torch.tensor([[-1.0, -1.0]])
-    b = {"mask": mask, "old_logprobs": torch.tensor([[-1.0, -1.0]]),
-         "trainer_logprobs": torch.tensor([[-1.0, 1.0]]),  # weights exp(0)=1, exp(2)=7.39
+    b = {"mask": mask, "old_logprobs": torch.tensor([[-1.0, -3.0]]),  # weights e^0=1, e^2=7.39
          "ref_logprobs": torch.tensor([[-1.5, -1.0]]), "advantages": torch.tensor([[1.0, 1.0]])}
     algo = AlgoConfig(is_mode="truncate", is_high=2.0, kl_coef=0.1, kl_estimator="k1")
     loss, stats = policy_loss(logp, b, algo, num_tokens=2, num_seqs=1)
-    # ratios vs trainer-old: 1 and e^-2; with A = 1 PPO takes min(r, clip(r)): losses -1 and
-    # -e^-2; IS weights exp(0) = 1 and exp(2) truncated to 2; k1 = logp - ref = 0.5, 0
-    # -> (-1 * 1 + 0.1 * 0.5 - e^-2 * 2 + 0) / 2
-    assert math.isclose(loss.item(), (-1.0 + 0.05 - 2 * math.exp(-2)) / 2, rel_tol=1e-6)
+    # trainer-old is this forward's logp (one update per batch): ratios 1, PPO losses -A = -1;
+    # IS weights trainer-old / behaviour: exp(0) = 1 and exp(2) truncated to 2;
+    # k1 = logp - ref = 0.5, 0 -> (-1 * 1 + 0.1 * 0.5 - 1 * 2 + 0) / 2
+    assert math.isclose(loss.item(), (-1.0 + 0.05 - 2.0) / 2, rel_tol=1e-6)
     assert stats["is_filtered"] == 0.5 and math.isclose(stats["kl"], 0.25)
 
 

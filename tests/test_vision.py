@@ -141,7 +141,7 @@ def test_env_path_images_reach_engine_and_trainer(vl_engine, vl_tokenizer, train
     trainer.step([Sequence(s.tokens, s.loss_mask, [0.0] * len(s.tokens), images=s.images)
                   for s in samples], "sft", lr=1e-2)
     probe = vl_tokenizer.encode("<|im_start|>user\nWhat colour is the shape?<|im_end|>")
-    assert sync_weights(trainer, [vl_engine], str(tmp_path), 1, probe, tol=1e-4) < 1e-4
+    assert sync_weights(trainer, [vl_engine], str(tmp_path), 1, probe, tol=1e-4)() < 1e-4
     again = asyncio.run(run_env_episode(Recording(), Task(prompt="What colour?", data={
         "shapes": [SHAPE_A, SHAPE_B]}), generate, vl_tokenizer, SAMPLING, "r9", "g"))
     assert set(v for v in again.versions if v is not None) == {1}

@@ -59,7 +59,8 @@ class Engine:
                  threads: int, seed: int, engine_id: int = 0, partial: bool = True,
                  max_staleness: int = 0, capture_routing: bool = False,
                  gpu_memory_utilization: float = 0.9, transport: str = "file", nice: int = 0):
-        os.nice(nice)
+        for thread in os.listdir("/proc/self/task") if nice else ():  # (nice is per thread)
+            os.setpriority(os.PRIO_PROCESS, int(thread), nice)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         # The model runs in the engine-core process: a separate worker process would busy-poll
@@ -98,11 +99,13 @@ class Engine:
 
     async def _final(self, prompt_ids: list[int], params, request_id: str | None = None,
                      images: list[str] = ()):
-        """Run one request to completion; its last output."""
+        """Run one request to completion; its output (only the final one is built)."""
         from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         from instar.agents.images import decode
 
+        params.output_kind, params.flat_logprobs = RequestOutputKind.FINAL_ONLY, True
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if images:
             prompt = TokensPrompt(

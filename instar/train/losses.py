@@ -167,7 +167,9 @@ def policy_loss(logprobs_BT: torch.Tensor, b: dict[str, torch.Tensor], a, num_to
     TrainWorker._batch), as this micro-batch's share of the step's scalar:
 
       1. the policy loss per token against the old log-probs: the engine's (behaviour), or
-         the trainer's own before the update when off-policy correction is on;
+         the trainer's own before the update when off-policy correction is on. One update
+         per batch: the weights before it are the ones this forward ran with, so those are
+         `logprobs_BT`, detached (no second forward);
       2. off-policy correction: times importance weights trainer-old / behaviour;
       3. KL to a reference model as a loss term, if asked for;
       4. aggregated over tokens or sequences of the whole step.
@@ -176,7 +178,7 @@ def policy_loss(logprobs_BT: torch.Tensor, b: dict[str, torch.Tensor], a, num_to
     """
     mask_BT, behaviour_BT = b["mask"], b["old_logprobs"]
     corrected = a.is_mode != "off"
-    old_BT = b["trainer_logprobs"] if corrected else behaviour_BT
+    old_BT = logprobs_BT.detach() if corrected else behaviour_BT
     extra = {"dual_clip": a.dual_clip} if a.policy_loss == "ppo" else {}
     loss_BT, clipped_BT = POLICY_LOSSES[a.policy_loss](logprobs_BT, old_BT, b["advantages"],
                                                        mask_BT, a.clip_low, a.clip_high, **extra)

@@ -54,8 +54,6 @@ class Sequence:
     old_logprobs: list[float]
     """Behaviour log-probs: the engine's (unused for SFT)."""
     advantages: list[float] | None = None
-    trainer_logprobs: list[float] | None = None
-    """The trainer's log-probs before the update (off-policy correction)."""
     ref_logprobs: list[float] | None = None
     """A frozen reference model's log-probs (KL as a loss term)."""
     returns: list[float] | None = None
@@ -71,8 +69,7 @@ class Sequence:
     """Vision-language models: the images of `tokens`' placeholders, as data URLs, in order."""
 
 
-PER_TOKEN = ("old_logprobs", "advantages", "trainer_logprobs", "ref_logprobs", "returns",
-             "old_values", "fresh")
+PER_TOKEN = ("old_logprobs", "advantages", "ref_logprobs", "returns", "old_values", "fresh")
 EMPTY = Sequence([0, 0], [False, False], *[[0.0, 0.0]] * len(PER_TOKEN))
 """Stands in for a rank's empty micro-batch: keeps collectives in step, adds no loss."""
 
