@@ -5,10 +5,11 @@ machine's matmul peak measured in the same run.
     .venv/bin/python benchmarks/bench.py                    # the full run
     .venv/bin/python benchmarks/bench.py --only agentic     # some workloads
 
-Writes benchmarks/results/bench.json and bench.md. The workloads (benchmarks/bench_tasks.py):
-grpo-small (16 prompts x 8 samples, up to 128 new tokens; float32, and bfloat16 as
-grpo-small-bf16), agentic (4 model turns, a 50 ms tool call after each), long (4 x 4 samples,
-1024 new tokens each: generation does not stop at end-of-turn tokens). For each, both sides start from the same weights folder (the built-in
+Writes benchmarks/results/bench.json and bench.md (with --quick, in benchmarks/results/quick/).
+The workloads (benchmarks/bench_tasks.py): grpo-small (16 prompts x 8 samples, up to 128 new
+tokens; float32, and bfloat16 as grpo-small-bf16), agentic (4 model turns, a 50 ms tool call
+after each), long (4 x 4 samples, 1024 new tokens each: generation does not stop at
+end-of-turn tokens). For each, both sides start from the same weights folder (the built-in
 small model, ~24M parameters; agentic: the same after instar's cached supervised warm-up, so
 that turns end and episodes go on), take the same prompts in the same order, sample as many
 completions with the same temperature and token limits, and train with the same AdamW
@@ -297,7 +298,8 @@ def main():
     p.add_argument("--trl-site", default="/tmp/trl-site", help="folder TRL is installed in")
     p.add_argument("--size", default="small", choices=["small", "tiny"],
                    help="built-in model size (tiny: a smoke test of the harness, not a benchmark)")
-    p.add_argument("--out", default=str(HERE / "results"), help="folder for bench.json/bench.md")
+    p.add_argument("--out", help="folder for bench.json/bench.md (default: benchmarks/results, "
+                   "with --quick benchmarks/results/quick)")
     args = p.parse_args()
     check = subprocess.run([sys.executable, "-c", "import trl"], capture_output=True,
                            env={**os.environ, "PYTHONPATH": args.trl_site})
@@ -323,7 +325,7 @@ def main():
                   "wall_s": time.perf_counter() - start, "machine": machine(),
                   "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
                   "peak_gflops": {k: v / 1e9 for k, v in peaks.items()}, "workloads": workloads}
-        out = Path(args.out)
+        out = Path(args.out or HERE / "results" / ("quick" if args.quick else ""))
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "bench.md").write_text(markdown(result))
