@@ -47,10 +47,21 @@ def prompt(tokenizer):
     return tokenizer.encode("<|im_start|>user\nReverse: abc<|im_end|>\n<|im_start|>assistant\n")
 
 
-def update_during(engine, request, path: str, version: int, after_s: float = 1.0):
-    """Start `request` (a Ray ref factory), load weights `after_s` later, return its result."""
+def once_generating(engine, requests: int = 1, timeout_s: float = 120.0) -> None:
+    """Return as soon as `requests` requests are in flight on `engine`, each with a token out
+    (polled: a fixed sleep would let a fast machine finish them before the update comes)."""
+    done = lambda e: [e._generated_so_far(r) or 0 for r in e.live]  # noqa: E731
+    deadline = time.time() + timeout_s
+    while len(counts := ray.get(engine.__ray_call__.remote(done))) < requests or min(counts) < 1:
+        assert time.time() < deadline, f"requests never started generating: {counts}"
+        time.sleep(0.005)
+    assert max(counts) < LONG["max_tokens"] // 2, f"polled too late to update mid-request: {counts}"
+
+
+def update_during(engine, request, path: str, version: int):
+    """Start `request` (a Ray ref factory), load weights once it generates, return its result."""
     ref = request()
-    time.sleep(after_s)
+    once_generating(engine)
     ray.get(engine.load_weights.remote([path], version))
     return ray.get(ref)
 
@@ -116,7 +127,7 @@ def test_without_partial_rollout_episodes_in_flight_restart_on_the_new_weights(
         batch=rollouts.run(tasks, 2, LONG, "t")))
     try:
         worker.start()
-        time.sleep(1.5)
+        once_generating(restart_engine, requests=4)
         ray.get(restart_engine.load_weights.remote([a], 7))
         worker.join()
     finally:
