@@ -22,11 +22,7 @@ from ray.util.queue import Queue
 
 def start_ray(address: str) -> str:
     """Start or join Ray (see above); returns where the engines' and ranks' logs are."""
-    # glibc hands large freed blocks back to the OS, and every training step then faults its
-    # activations in again page by page (measured here: ~200k faults, a third of a CPU step's
-    # forward); these keep freed memory in the process for the next step.
-    malloc = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}
-    env = {"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING", **malloc}}
+    env = {"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING"}}
     if address:
         ray.init(address=address, log_to_driver=False, runtime_env=env)
         return "logs/ of the Ray session directory on each node (default /tmp/ray/session_latest)"

@@ -61,7 +61,7 @@ from instar.tasks.tiny_model import builtin_model, cache_root
 from instar.train import checkpoint
 from instar.train.advantages import informative, sample_advantages
 from instar.train.losses import kl_BT
-from instar.train.worker import Sequence, TrainWorker, shard
+from instar.train.worker import RANK_ENV, Sequence, TrainWorker, shard
 
 console = Console()
 MISMATCH = ("abs_logprob_diff", "k3")
@@ -77,7 +77,8 @@ class Trainer:
         t, model_path = cfg.train, os.path.abspath(model_path)  # the ranks' cwd is not ours
         master = rendezvous()  # rank 0 posts its address there, on whichever node it runs
         default = dict(num_cpus=0, num_gpus=1 if t.device == "cuda" else 0)
-        self.workers = [ray.remote(TrainWorker).options(**(placement[r] if placement else default))
+        self.workers = [ray.remote(TrainWorker).options(**(placement[r] if placement else default),
+                                                        runtime_env=RANK_ENV)
                         .remote(r, t.num_ranks, master, model_path, device=t.device,
                                 dtype=cfg.model.dtype, threads=t.threads_per_rank,
                                 lr=lr or t.lr, weight_decay=t.weight_decay,

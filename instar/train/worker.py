@@ -121,6 +121,12 @@ def engine_source(model: torch.nn.Module, dtype: torch.dtype):
     return Cast(model)
 
 
+RANK_ENV = {"env_vars": {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}}
+"""The ranks' Ray runtime_env. glibc hands large freed blocks back to the OS, so each CPU
+training step faulted its activations in again page by page (measured here: ~200k faults
+and a third of the forward's time per step); with these, freed memory stays for the next."""
+
+
 class TrainWorker:
     """Ray actor: holds one rank's shard of a model and its optimizer. `head="value"` makes
     it a critic (one value per token); with every parameter frozen it is a reference or a
