@@ -55,9 +55,9 @@ WORKLOADS = {
 QUICK = {  # reduced forms for --quick: all of them in under 10 minutes on 2 cores
     "grpo-small": Workload(4, 8, 64, steps=3, warmup_steps=1),
     "grpo-small-bf16": Workload(4, 8, 64, steps=3, warmup_steps=1, dtype="bfloat16"),
-    "agentic": Workload(4, 8, 24, steps=3, warmup_steps=1, turns=4, tool_latency_s=0.05,
+    "agentic": Workload(4, 8, 24, steps=2, warmup_steps=1, turns=4, tool_latency_s=0.05,
                         sft_steps=SFT_STEPS),
-    "long": Workload(2, 2, 512, steps=2, warmup_steps=1, fixed_length=True),
+    "long": Workload(2, 2, 384, steps=2, warmup_steps=1, fixed_length=True),
 }
 
 
