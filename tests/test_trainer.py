@@ -5,6 +5,7 @@ memory between steps."""
 
 import json
 import random
+import resource
 import subprocess
 import sys
 
@@ -144,11 +145,11 @@ def test_instar_rl_resumes_from_its_last_checkpoint(tmp_path):
 def test_ranks_keep_freed_memory_for_the_next_step(ray_session, tiny_model):
     """glibc would hand each step's large activations back to the OS and fault them in again
     page by page on the next step; the ranks' malloc settings (RANK_ENV) keep them. Measured
-    without them: 20-50k minor page faults in every step; with them, ~10 after the second."""
+    without them: 11-61k minor page faults in every step; with them, ~10 after the second."""
     rng = random.Random(0)
     seqs = [Sequence([rng.randrange(300) for _ in range(512)], [True] * 512, [-1.0] * 512,
                      advantages=[1.0] * 512) for _ in range(64)]  # logits alone: 64 MiB
-    faults = lambda w: __import__("resource").getrusage(0).ru_minflt  # noqa: E731  (RUSAGE_SELF)
+    faults = lambda w: resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # noqa: E731
     trainer = Trainer(Config(), str(tiny_model))
     try:
         counts = []  # per step: the most faults any rank took
