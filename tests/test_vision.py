@@ -98,7 +98,10 @@ def test_env_path_images_reach_engine_and_trainer(vl_engine, vl_tokenizer, train
 
     async def generate(ids, sampling, images):
         calls.append((ids, images))
-        return await vl_engine.generate.remote(ids, sampling, None, 0, images)
+        gen = await vl_engine.generate.remote(ids, sampling, None, 0, images)
+        if gen.finish_reason == "placeholder":  # what the Router does with it
+            raise EpisodeError("placeholder", "the model sampled an image placeholder token")
+        return gen
 
     samples, envs = [], []
     for k in range(6):
@@ -142,8 +145,16 @@ def test_env_path_images_reach_engine_and_trainer(vl_engine, vl_tokenizer, train
                   for s in samples], "sft", lr=1e-2)
     probe = vl_tokenizer.encode("<|im_start|>user\nWhat colour is the shape?<|im_end|>")
     assert sync_weights(trainer, [vl_engine], str(tmp_path), 1, probe, tol=1e-4)() < 1e-4
-    again = asyncio.run(run_env_episode(Recording(), Task(prompt="What colour?", data={
-        "shapes": [SHAPE_A, SHAPE_B]}), generate, vl_tokenizer, SAMPLING, "r9", "g"))
+    for seed in range(10):  # a random model samples a placeholder now and then
+        try:
+            again = asyncio.run(run_env_episode(Recording(), Task(prompt="What colour?", data={
+                "shapes": [SHAPE_A, SHAPE_B]}), generate, vl_tokenizer, {**SAMPLING, "seed": seed},
+                "r9", "g"))
+            break
+        except EpisodeError as e:
+            assert e.reason == "placeholder"
+    else:
+        pytest.fail("every episode sampled an image placeholder")
     assert set(v for v in again.versions if v is not None) == {1}
     assert_trainer_matches_engine(trainer, [again])
 
