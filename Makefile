@@ -1,7 +1,8 @@
 # make run   - set up .venv if needed, then run the default job (tiny model, reverse task)
-# make test  - set up .venv if needed, then run the tests
+# make test  - set up .venv if needed, then run the tests (what CI runs; the 20 slowest listed)
+# make test-fast - the tests that start no engine, trainer or Ray (seconds; for the edit-test loop)
 # make setup - install the CPU stack into .venv (idempotent)
-.PHONY: setup run test lint
+.PHONY: setup run test test-fast lint
 
 setup:
 	@bash scripts/setup_cpu.sh
@@ -10,8 +11,11 @@ run: setup
 	.venv/bin/instar rl
 
 test: setup
-	.venv/bin/ruff check instar tests
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/ruff check instar tests benchmarks
+	.venv/bin/python -m pytest -q --durations=20 tests
+
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not stack" tests
 
 lint: setup
 	.venv/bin/ruff check instar tests

@@ -61,11 +61,13 @@ from transformers import AutoTokenizer
 
 from instar.agents.chat import as_messages, continuation_ids, prompt_ids
 from instar.agents.loading import load_tasks
+from instar.cli import main as instar
 from instar.cluster import start_ray
 from instar.config import Config
-from instar.loop import run, task_order, warmup
+from instar.inputs import task_order
 from instar.tasks.reverse_data import reverse_data
 from instar.tasks.tiny_model import builtin_model
+from instar.train.sft import warmup
 
 HERE = Path(__file__).parent
 TRL_INSTALL = ("pip install --target /tmp/trl-site --no-deps trl==1.16.0 accelerate==1.16.0 "
@@ -132,7 +134,8 @@ def instar_side(w: Workload, model: Path, tasks: Path, root: Path,
     cfg.eval.size, cfg.checkpoint.save_final = 0, False
     cfg.logging.progress = cfg.logging.plots = cfg.logging.tensorboard = False
     cfg.logging.root, cfg.logging.name = str(root), "instar"
-    run(cfg)
+    (root / "recipe.yaml").write_text(cfg.to_yaml())
+    instar(["rl", "--config", str(root / "recipe.yaml")])
     lines = [json.loads(x) for x in (root / "instar" / "metrics.jsonl").read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(model)
     prompt_len = {t.id: len(prompt_ids(tok, as_messages(t.prompt), None))
@@ -154,7 +157,7 @@ def instar_side(w: Workload, model: Path, tasks: Path, root: Path,
         "model": ["dtype"], "rollout": ["group_size", "max_tokens", "ignore_eos", "temperature",
                                         "max_staleness", "threads", "num_engines", "partial",
                                         "placement", "transport"],
-        "train": ["device", "num_ranks", "threads_per_rank", "lr", "weight_decay", "grad_clip",
+        "cluster": ["device"], "train": ["num_ranks", "threads_per_rank", "lr", "weight_decay", "grad_clip",
                   "micro_batch_tokens", "master_dtype", "activation_checkpointing"],
         "algo": ["estimator", "policy_loss", "aggregation", "clip_low", "clip_high",
                  "kl_coef"]}.items() for k in keys}

@@ -106,7 +106,7 @@ def main():
         from trainer import matmul_peak
         overrides, peak = {}, matmul_peak(torch.float32)
     else:
-        overrides = {"train": {"device": "cuda", "num_ranks": 1},
+        overrides = {"cluster": {"device": "cuda"}, "train": {"num_ranks": 1},
                      "rollout": {"max_staleness": 0, "placement": "colocated", "gpu_memory": 0.4}}
         peak = gpu_peak()
     results = {}

@@ -19,7 +19,7 @@ out=$(mktemp -d)
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 run() {  # name, extra flags
-  python3 -m instar.cli rl --model.size small --train.device cuda --train.num-ranks 1 \
+  python3 -m instar.cli rl --model.size small --cluster.device cuda --train.num-ranks 1 \
     --train.steps 6 --train.warmup-sft-steps 0 --eval.size 0 --checkpoint.no-save-final \
     --logging.no-progress --rollout.sync-check-tol 1e-3 --rollout.max-staleness 0 \
     --logging.root "$out" \

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from instar.cli import main as instar
 from instar.config import Config
-from instar.loop import run
 from instar.tasks.tiny_model import builtin_model
 
 STEPS = 8
@@ -34,7 +34,9 @@ def main():
     cfg.checkpoint.save_final = False
     cfg.rollout.max_staleness = 0  # rollout, train and sync one after another: each timed alone
     cfg.logging.root, cfg.logging.name = tempfile.mkdtemp(), "sync-bench"
-    run(cfg)
+    recipe = Path(cfg.logging.root) / "recipe.yaml"
+    recipe.write_text(cfg.to_yaml())
+    instar(["rl", "--config", str(recipe)])
     metrics = [json.loads(x) for x in
                (Path(cfg.logging.root) / "sync-bench" / "metrics.jsonl").read_text().splitlines()]
     measured = [m for m in metrics if "rollout/reward" in m][2:]  # the first steps warm up

@@ -25,10 +25,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from instar.config import Config
-from instar.loop import Trainer
 from instar.tasks.tiny_model import builtin_model
+from instar.train.batch import Sequence
 from instar.train.losses import sft_loss, token_logprobs
-from instar.train.worker import Sequence
+from instar.train.trainer import Trainer
 
 SEQS, LEN, STEPS, WARMUP = 32, 256, 6, 1
 CORES = os.cpu_count()

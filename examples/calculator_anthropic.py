@@ -1,6 +1,7 @@
 """The calculator task as a ChatAgent driving the model through the Anthropic SDK.
 
-    instar rollout --agent examples/calculator_anthropic.py --data examples/data/calculator.jsonl
+    instar rollout --agent examples/calculator_anthropic.py \
+        --data.train examples/data/calculator.jsonl
 """
 
 import anthropic

@@ -1,6 +1,6 @@
 """A multi-turn tool-use Env: the model may call a calculator, then answers.
 
-    instar rollout --agent examples/calculator_env.py --data examples/data/calculator.jsonl
+    instar rollout --agent examples/calculator_env.py --data.train examples/data/calculator.jsonl
 """
 
 from instar import Action, Env, Result, Task

@@ -3,7 +3,7 @@ SDK: the model writes a function, the sandbox runs the task's tests on it, and a
 attempt's test report goes back to the model for one more try.
 
     python -m instar.tasks.code_exec_data        # prints the train and eval paths
-    instar rollout --agent examples/code_exec_openai.py --data EVAL.jsonl
+    instar rollout --agent examples/code_exec_openai.py --data.train EVAL.jsonl
 """
 
 import asyncio

@@ -2,7 +2,7 @@
 conversation with a short summary. instar seals the token segment recorded so far and
 starts a new one (reason `history_rewritten`); both segments share the episode's reward.
 
-    instar rollout --agent examples/compacting_agent.py --data examples/data/calculator.jsonl
+    instar rollout --agent examples/compacting_agent.py --data.train examples/data/calculator.jsonl
 """
 
 import openai

@@ -1,7 +1,7 @@
 """The tool-use task (instar/tasks/tool_use.py) as a ChatAgent driving the model through the
 OpenAI SDK: it runs the model's calculator and lookup calls until it answers.
 
-    instar rollout --agent examples/tool_use_openai.py --data examples/data/calculator.jsonl
+    instar rollout --agent examples/tool_use_openai.py --data.train examples/data/calculator.jsonl
     instar rl --agent examples/tool_use_openai.py --data.train TRAIN --data.eval EVAL  # from
         # python -m instar.tasks.tool_use_data  (docs/scenarios.md)
 """

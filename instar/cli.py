@@ -2,11 +2,13 @@
 tasks), rollout (no training), serve (engine + gateway), make-model (build a tiny model)."""
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Literal
 
 import tyro
+import yaml
 
 from instar.config import Config, load_yaml
 
@@ -23,30 +25,50 @@ class MakeModel:
     seed: int = 0
 
 
-def parse(argv: list[str], prog: str, description: str) -> tuple[Config, bool]:
+SECTIONS = {
+    "rl": ("model", "data", "agent", "rollout", "eval", "train", "algo", "checkpoint", "logging",
+           "cluster"),
+    "sft": ("model", "data", "eval", "train", "checkpoint", "logging", "cluster"),
+    "eval": ("model", "data", "agent", "rollout", "eval", "logging", "cluster"),
+    "rollout": ("model", "data", "agent", "rollout", "logging", "cluster"),
+    "serve": ("model", "rollout", "logging", "cluster", "serve"),
+}
+"""The config sections each command reads: its flags, its --help and its --print-config. The
+other sections keep their defaults (or the recipe's values), so every setting has one flag
+name and one default in all commands."""
+
+
+def parse(command: str, argv: list[str], description: str) -> tuple[Config, bool]:
     """The run config from a recipe and flags; exits with a clear message if it is invalid."""
-    pre = argparse.ArgumentParser(add_help=False)
+    sections = SECTIONS[command]
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--print-config", action="store_true")
-    pre.add_argument("--agent", default=None)
+    if "agent" in sections:
+        pre.add_argument("--agent", default=None)
     known, rest = pre.parse_known_args(argv)
-    default = load_yaml(known.config) if known.config else Config()
-    if known.agent:
-        default.agent.file = known.agent
-    cfg = tyro.cli(Config, args=rest, default=default, prog=prog,
-                   description=description + " Extra flags: --config recipe.yaml (defaults "
-                               "from a YAML recipe), --print-config (print and exit).")
+    cfg = load_yaml(known.config) if known.config else Config()
+    if getattr(known, "agent", None):
+        cfg.agent.file = known.agent
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    flags = dataclasses.make_dataclass(f"{command}_flags", [(s, types[s]) for s in sections])
+    parsed = tyro.cli(flags, args=rest, default=flags(*(getattr(cfg, s) for s in sections)),
+                      prog=f"instar {command}",
+                      description=description + " Extra flags: --config recipe.yaml (defaults "
+                      "from a YAML recipe), --print-config (print and exit).")
+    cfg = dataclasses.replace(cfg, **{s: getattr(parsed, s) for s in sections})
     try:
         cfg.validate()
     except ValueError as e:
-        sys.exit(f"{prog}: config error: {e}")
+        sys.exit(f"instar {command}: config error: {e}")
     if known.print_config:
-        print(cfg.to_yaml(), end="")
+        print(yaml.safe_dump({s: dataclasses.asdict(getattr(cfg, s)) for s in sections},
+                             sort_keys=False), end="")
     return cfg, known.print_config
 
 
 def rl(argv: list[str]) -> None:
-    cfg, printed = parse(argv, "instar rl", "Train an agent with RL.")
+    cfg, printed = parse("rl", argv, "Train an agent with RL.")
     if printed:
         return
     from instar.loop import run
@@ -56,8 +78,8 @@ def rl(argv: list[str]) -> None:
 
 
 def sft(argv: list[str]) -> None:
-    cfg, printed = parse(argv, "instar sft", "Supervised fine-tuning on chat JSONL "
-                         "(--data.train; rows {messages, tools}), loss on assistant tokens.")
+    cfg, printed = parse("sft", argv, "Supervised fine-tuning on chat JSONL (--data.train; rows "
+                         "{messages, tools}), loss on assistant tokens.")
     if printed:
         return
     from instar.sft import run_sft
@@ -69,13 +91,34 @@ def sft(argv: list[str]) -> None:
 
 
 def eval_(argv: list[str]) -> None:
-    cfg, printed = parse(argv, "instar eval", "Evaluate a checkpoint (--model.path) on held-out "
-                         "tasks (--data.eval) with the run's eval settings (--eval.*), no training.")
+    cfg, printed = parse("eval", argv, "Evaluate a checkpoint (--model.path) on held-out tasks "
+                         "(--data.eval) with the run's eval settings (--eval.*), no training.")
     if printed:
         return
     from instar.jobs import evaluate_model
 
     evaluate_model(cfg)
+
+
+def rollout(argv: list[str]) -> None:
+    cfg, printed = parse("rollout", argv, "Run an agent over tasks (--data.train), "
+                         "--rollout.group-size episodes each, no training; write the samples "
+                         "to the run directory (--logging.root/--logging.name).")
+    if printed:
+        return
+    from instar.jobs import rollout
+
+    rollout(cfg)
+
+
+def serve(argv: list[str]) -> None:
+    cfg, printed = parse("serve", argv, "Serve the engines behind the gateway; print the base "
+                         "URLs and the key; on Ctrl-C write the sessions to the run directory.")
+    if printed:
+        return
+    from instar.jobs import serve
+
+    serve(cfg)
 
 
 def print_summary(s: dict) -> None:
@@ -107,19 +150,8 @@ def make_model(argv: list[str]) -> None:
     print(build_model(args.out, args.kind, args.size, args.seed))
 
 
-def rollout(argv: list[str]) -> None:
-    from instar.jobs import RolloutArgs, rollout
-
-    rollout(tyro.cli(RolloutArgs, args=argv, prog="instar rollout"))
-
-
-def serve(argv: list[str]) -> None:
-    from instar.jobs import ServeArgs, serve
-
-    serve(tyro.cli(ServeArgs, args=argv, prog="instar serve"))
-
-
-COMMANDS = {"rl": rl, "sft": sft, "eval": eval_, "rollout": rollout, "serve": serve, "make-model": make_model}
+COMMANDS = {"rl": rl, "sft": sft, "eval": eval_, "rollout": rollout, "serve": serve,
+            "make-model": make_model}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,11 @@
-"""One typed config for a run. CLI flags are generated from it (tyro); `validate()` is the one
-place that refuses unsafe combinations.
+"""One typed config for every command. CLI flags are generated from it (tyro); `validate()` is
+the one place that refuses unsafe combinations, and settings that would be silently ignored.
+
+Each command reads some of the sections (instar/cli.py `SECTIONS`) and shows only those in
+its --help; a setting has the same flag, and the same default, in every command:
 
     instar rl --rollout.group-size 8 --train.steps 40
+    instar rollout --agent FILE --data.train FILE --rollout.max-tokens 64
     instar rl --config recipe.yaml --train.lr 1e-4     # flags override the recipe
     instar rl --print-config                           # the resolved config as YAML
 """
@@ -9,9 +13,24 @@ place that refuses unsafe combinations.
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import tyro
 import yaml
+
+
+def estimator_names() -> Any:
+    """The choices of --algo.estimator: the registry `ESTIMATORS` (instar/train/advantages.py),
+    read when the flags are parsed, not at import: `instar` and the --help of commands without
+    --algo.* flags stay quick (no torch)."""
+    from instar.train.advantages import ESTIMATORS
+
+    return Literal[tuple(ESTIMATORS)]
+
+
+ESTIMATOR_CHOICES = tyro.conf.arg(  # (the hint: tyro shows a factory's default as ['grpo'])
+    constructor_factory=estimator_names,
+    help_behavior_hint=lambda shown: "(default: {})".format(shown.strip("[]'")))
 
 
 @dataclass
@@ -64,7 +83,8 @@ class AgentConfig:
 @dataclass
 class RolloutConfig:
     group_size: int = 8
-    """Samples per task; GRPO baselines are computed within the group."""
+    """Samples per task (`instar rollout` too); group baselines (grpo, rloo, ...) are computed
+    within the group."""
     temperature: float = 1.0
     """Sampling temperature; the trainer applies the same one to its log-probs."""
     max_tokens: int = 24
@@ -136,8 +156,6 @@ class TrainConfig:
     """RL steps (each: generate, score, one optimizer step, weight sync)."""
     num_ranks: int = 2
     """FSDP2 ranks, one Ray actor each."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Where the trainer and engines run: cpu (gloo) or cuda (nccl)."""
     freeze: list[str] = field(default_factory=list)
     """Regular expressions; parameters whose names match one are not trained (and never
     re-sent to the engines), e.g. 'mlp\\.gate\\.' for the MoE routers (Qwen3-MoE:
@@ -183,10 +201,9 @@ class TrainConfig:
 
 @dataclass
 class AlgoConfig:
-    estimator: Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae",
-                       "on_policy_distill"] = "grpo"
-    """Advantage estimator (instar/train/advantages.py): gae trains a critic; on_policy_distill
-    needs --algo.teacher and no reward."""
+    estimator: Annotated[str, ESTIMATOR_CHOICES] = "grpo"
+    """Advantage estimator, one of `ESTIMATORS` (instar/train/advantages.py): gae trains a
+    critic; on_policy_distill needs --algo.teacher and no reward."""
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     """PPO clip (per token), GSPO (sequence ratio) or CISPO (clipped weight times log-prob)."""
     aggregation: Literal["token", "sequence"] = "token"
@@ -262,6 +279,8 @@ class LoggingConfig:
 
 @dataclass
 class ClusterConfig:
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer and engines run: cpu (gloo) or cuda (nccl)."""
     ray_address: str = ""
     """Ray cluster to join: "auto" (the one `ray start` made on this machine, or RAY_ADDRESS)
     or HOST:PORT of its head. Empty: a Ray of this machine's own for the run."""
@@ -273,8 +292,14 @@ class ClusterConfig:
 
 
 @dataclass
+class ServeConfig:
+    sessions: int = 1
+    """Sessions (episodes) to open, each with its own pair of base URLs."""
+
+
+@dataclass
 class Config:
-    """instar rl: train an agent with reinforcement learning."""
+    """A run's settings, in sections; each command reads some of them (instar/cli.py)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -286,6 +311,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     @property
     def batch_size(self) -> int:
@@ -293,48 +319,32 @@ class Config:
         return self.data.prompts_per_step * self.rollout.group_size
 
     def validate(self) -> "Config":
-        """Refuse unsafe or contradictory settings; each message names the flag to change."""
-        r, t = self.rollout, self.train
+        """Refuse out-of-range, contradictory or silently ignored settings; each message names
+        the flag to change."""
+        self._check_ranges()
+        self._check_combinations()
+        self._check_ignored()
+        return self
+
+    def _check_ranges(self) -> None:
+        r, t, e, c, a = self.rollout, self.train, self.eval, self.checkpoint, self.algo
         if r.group_size < 2:
             raise ValueError("--rollout.group-size must be at least 2: GRPO's baseline is the "
                              "group mean, so a group of one has no learning signal")
-        if r.temperature <= 0 or self.eval.temperature <= 0:
+        if r.temperature <= 0 or e.temperature <= 0:
             raise ValueError("--rollout.temperature and --eval.temperature must be > 0: "
                              "greedy decoding has no behaviour log-probs to train with")
         if r.max_retries < 0 or r.preflight < 0 or r.preflight_tol <= 0:
             raise ValueError("--rollout.max-retries and --rollout.preflight must be >= 0, "
                              "--rollout.preflight-tol > 0")
-        e = self.eval
         if e.size < 0 or e.every < 0 or e.samples < 1 or e.max_tokens < 0:
             raise ValueError("--eval.size, --eval.every and --eval.max-tokens must be >= 0, "
                              "--eval.samples >= 1")
-        if r.num_engines < 1:
-            raise ValueError("--rollout.num-engines must be >= 1")
+        if r.num_engines < 1 or self.serve.sessions < 1:
+            raise ValueError("--rollout.num-engines and --serve.sessions must be >= 1")
         if r.max_staleness < 0 or not 0 < r.gpu_memory <= 1:
             raise ValueError("--rollout.max-staleness must be >= 0 and --rollout.gpu-memory in "
                              "(0, 1]")
-        if r.placement == "colocated" and t.device == "cuda" and r.max_staleness > 0:
-            raise ValueError("colocated engines on GPUs sleep while the trainer trains, so "
-                             "generation cannot overlap training: set --rollout.max-staleness 0, "
-                             "or use --rollout.placement disaggregated")
-        if r.transport != "file" and t.device != "cuda":
-            raise ValueError(f"--rollout.transport {r.transport} needs GPUs (--train.device "
-                             "cuda); on CPU use --rollout.transport file")
-        if r.transport == "ipc" and r.placement != "colocated":
-            raise ValueError("--rollout.transport ipc needs --rollout.placement colocated (CUDA "
-                             "IPC shares a device); use nccl for disaggregated engines")
-        if r.transport == "nccl" and r.placement != "disaggregated":
-            raise ValueError("--rollout.transport nccl needs --rollout.placement disaggregated "
-                             "(NCCL refuses two ranks on one device); use ipc when colocated")
-        if (self.cluster.engine_resource or self.cluster.trainer_resource) \
-                and r.placement != "disaggregated":
-            raise ValueError("--cluster.engine-resource and --cluster.trainer-resource need "
-                             "--rollout.placement disaggregated (colocated engines and ranks "
-                             "share bundles)")
-        if self.agent.judge not in ("", "policy") and not os.path.isfile(
-                os.path.join(self.agent.judge, "config.json")):
-            raise ValueError(f"--agent.judge {self.agent.judge!r}: expected \"policy\" or a "
-                             "Hugging Face model folder (with config.json)")
         if r.sync_check_tol <= 0:
             raise ValueError("--rollout.sync-check-tol must be > 0")
         if r.max_tokens >= r.max_model_len:
@@ -343,31 +353,106 @@ class Config:
         if t.num_ranks < 1 or t.micro_batch_tokens < 1 or t.steps < 0:
             raise ValueError("--train.num-ranks and --train.micro-batch-tokens must be >= 1, "
                              "--train.steps >= 0")
-        if t.master_dtype == "bfloat16" and self.model.dtype == "float32":
-            raise ValueError("--train.master-dtype bfloat16 needs --model.dtype bfloat16: master "
-                             "weights are at least as precise as the compute")
-        if t.cpu_offload and t.device != "cuda":
-            raise ValueError("--train.cpu-offload is for GPUs (--train.device cuda); on CPU the "
-                             "weights are in CPU memory already")
-        c = self.checkpoint
         if c.every < 0 or c.keep < 1:
             raise ValueError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
-        if c.resume and not self.logging.name:
-            raise ValueError("--checkpoint.resume needs --logging.name: the run directory whose "
-                             "checkpoints/ to continue from")
-        a = self.algo
+        if self.data.prompts_per_step < 1:
+            raise ValueError("--data.prompts-per-step must be >= 1")
         if a.dual_clip is not None and a.dual_clip <= 1:
             raise ValueError(f"--algo.dual-clip must be > 1 (got {a.dual_clip})")
         if not 0 <= a.is_low <= 1 <= a.is_high:
             raise ValueError("--algo.is-low and --algo.is-high must satisfy 0 <= low <= 1 <= high")
-        if a.estimator == "on_policy_distill" and not a.teacher:
+        if not 0 <= a.clip_low < 1 or a.clip_high < 0:
+            raise ValueError("--algo.clip-low must be in [0, 1) and --algo.clip-high >= 0")
+        from instar.train.advantages import ESTIMATORS
+
+        if a.estimator not in ESTIMATORS:
+            raise ValueError(f"--algo.estimator {a.estimator!r} is unknown; known: "
+                             f"{', '.join(ESTIMATORS)} (instar/train/advantages.py)")
+
+    def _check_combinations(self) -> None:
+        r, t, device = self.rollout, self.train, self.cluster.device
+        if r.placement == "colocated" and device == "cuda" and r.max_staleness > 0:
+            raise ValueError("colocated engines on GPUs sleep while the trainer trains, so "
+                             "generation cannot overlap training: set --rollout.max-staleness 0, "
+                             "or use --rollout.placement disaggregated")
+        if r.transport != "file" and device != "cuda":
+            raise ValueError(f"--rollout.transport {r.transport} needs GPUs (--cluster.device "
+                             "cuda); on CPU use --rollout.transport file")
+        if r.transport == "ipc" and r.placement != "colocated":
+            raise ValueError("--rollout.transport ipc needs --rollout.placement colocated (CUDA "
+                             "IPC shares a device); use nccl for disaggregated engines")
+        if r.transport == "nccl" and r.placement != "disaggregated":
+            raise ValueError("--rollout.transport nccl needs --rollout.placement disaggregated "
+                             "(NCCL refuses two ranks on one device); use ipc when colocated")
+        if self.agent.judge not in ("", "policy") and not os.path.isfile(
+                os.path.join(self.agent.judge, "config.json")):
+            raise ValueError(f"--agent.judge {self.agent.judge!r}: expected \"policy\" or a "
+                             "Hugging Face model folder (with config.json)")
+        if t.master_dtype == "bfloat16" and self.model.dtype == "float32":
+            raise ValueError("--train.master-dtype bfloat16 needs --model.dtype bfloat16: master "
+                             "weights are at least as precise as the compute")
+        if self.checkpoint.resume and not self.logging.name:
+            raise ValueError("--checkpoint.resume needs --logging.name: the run directory whose "
+                             "checkpoints/ to continue from")
+        if self.algo.estimator == "on_policy_distill" and not self.algo.teacher:
             raise ValueError("--algo.estimator on_policy_distill needs --algo.teacher (an HF "
                              "folder sharing the policy's tokenizer)")
-        if self.data.prompts_per_step < 1:
-            raise ValueError("--data.prompts-per-step must be >= 1")
-        if not 0 <= self.algo.clip_low < 1 or self.algo.clip_high < 0:
-            raise ValueError("--algo.clip-low must be in [0, 1) and --algo.clip-high >= 0")
-        return self
+
+    def _check_ignored(self) -> None:
+        """Settings changed from their defaults where nothing reads them."""
+        r, t, a, device = self.rollout, self.train, self.algo, self.cluster.device
+        if a.policy_loss != "ppo":
+            self._unused("algo.dual_clip", unless="--algo.policy-loss ppo (dual clip is PPO's)")
+        if a.kl_coef == 0:
+            self._unused("algo.kl_in_reward", "algo.kl_estimator", "algo.reference",
+                         unless="--algo.kl-coef > 0 (0: no KL, no reference model)")
+        if a.estimator != "on_policy_distill":
+            self._unused("algo.teacher", unless="--algo.estimator on_policy_distill")
+        if a.estimator != "gae":
+            self._unused("algo.gamma", "algo.lam", "algo.critic_lr", "algo.value_clip",
+                         unless="--algo.estimator gae (they are the critic's)")
+        if a.is_mode == "off":
+            self._unused("algo.is_level", "algo.is_low", "algo.is_high",
+                         unless="--algo.is-mode mask, clip or truncate")
+        if t.lr_schedule == "constant":
+            self._unused("train.min_lr_ratio", unless="--train.lr-schedule cosine")
+        if t.warmup_sft_steps == 0:
+            self._unused("train.warmup_sft_lr", "train.warmup_sft_batch",
+                         unless="--train.warmup-sft-steps > 0")
+        if device != "cuda":
+            self._unused("train.cpu_offload", "rollout.gpu_memory", unless="--cluster.device cuda")
+        if device != "cpu":
+            self._unused("rollout.kv_cache_gb", unless="--cluster.device cpu (a GPU engine's "
+                         "KV cache is what --rollout.gpu-memory leaves)")
+        if r.on_failure != "retry":
+            self._unused("rollout.max_retries", unless="--rollout.on-failure retry")
+        if r.preflight == 0:
+            self._unused("rollout.preflight_tol", unless="--rollout.preflight > 0")
+        if r.placement != "disaggregated":
+            self._unused("cluster.engine_resource", "cluster.trainer_resource",
+                         unless="--rollout.placement disaggregated (colocated engines and ranks "
+                         "share bundles)")
+        if self.eval.size == 0:
+            self._unused("data.eval", "eval.every", "eval.samples", "eval.temperature",
+                         "eval.max_tokens", "eval.pass_threshold", unless="--eval.size > 0 "
+                         "(0 turns eval off)")
+        if self.checkpoint.every == 0:
+            self._unused("checkpoint.keep", unless="--checkpoint.every > 0")
+        if self.model.path:
+            self._unused("model.kind", "model.size", "model.seed", unless="--model.path is "
+                         "empty (they choose the built-in model)")
+
+    def _unused(self, *names: str, unless: str) -> None:
+        """Refuse any of `names` ("section.field") that differs from its default."""
+        for name in names:
+            section_name, key = name.split(".")
+            section = getattr(self, section_name)
+            value = getattr(section, key)
+            if value != getattr(type(section)(), key):  # the field's default
+                flag = f"--{section_name}.{key.replace('_', '-')}"
+                shown = flag if isinstance(value, bool) else f"{flag} {value}"
+                raise ValueError(f"{shown} has no effect unless {unless}: set that, or leave "
+                                 f"out {flag}")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)

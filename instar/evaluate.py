@@ -23,9 +23,8 @@ def evaluate(rollouts: Rollouts, tasks: list[Task], e: EvalConfig, max_tokens: i
     batch = rollouts.run(tasks, e.samples, sampling, tag)
     rewards = defaultdict(list)
     for s in one_per_rollout(batch.samples):
-        rewards[s.group_id].append(s.reward)
-    per_task = {t.id: rewards[f"{tag}-{t.id}"] + [0.0] * (e.samples - len(rewards[f"{tag}-{t.id}"]))
-                for t in tasks}
+        rewards[s.task_id].append(s.reward)
+    per_task = {t.id: rewards[t.id] + [0.0] * (e.samples - len(rewards[t.id])) for t in tasks}
     m = {"eval/reward": mean(r for rs in per_task.values() for r in rs)}
     k = 1
     while k <= e.samples:

@@ -1,160 +1,142 @@
-"""The jobs besides training: `instar rollout` (an agent over a dataset, no training),
-`instar eval` (the held-out eval of a checkpoint) and `instar serve` (the engine and the
-gateway on their own, for external harnesses)."""
+"""The jobs besides training, on the same config (and flags) as `instar rl`:
+
+    instar rollout --agent FILE --data.train FILE --rollout.group-size 4   # no training
+    instar eval --model.path DIR --data.eval FILE --eval.samples 4         # a checkpoint's eval
+    instar serve --model.path DIR --serve.sessions 2                       # engines + gateway
+
+Each starts Ray (--cluster.ray-address) and --rollout.num-engines engines on the model
+(--model.*), samples with the --rollout.* settings, and writes into its run directory
+(--logging.root/--logging.name; default name: the job and a timestamp):
+
+    rollout   rollouts.jsonl (one Sample per segment), summary.json
+    eval      eval.json (reward, pass@k), eval_samples.jsonl
+    serve     sessions.jsonl, written on Ctrl-C
+"""
 
 import json
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from instar.agents.loading import load_agent, load_tasks
 from instar.cluster import start_ray
 from instar.config import Config
 from instar.evaluate import evaluate
 from instar.gateway.server import Gateway
-from instar.rollout.engine import launch
+from instar.inputs import Inputs, model_path, run_inputs
 from instar.rollout.router import Router
 from instar.rollout.runner import Rollouts
+from instar.rollout.start import make_rollouts, start_engines
+from instar.rollout.versions import Versions
 from instar.sample import one_per_rollout, write_jsonl
-from instar.tasks.tiny_model import builtin_model
 
 
-@dataclass
-class EngineArgs:
-    model: str = ""
-    """Hugging Face checkpoint folder. Empty: the built-in tiny model."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    max_tokens: int = 256
-    """Most new tokens per model turn."""
-    max_model_len: int = 2048
-    """Longest context the engine accepts."""
-    device: str = "cpu"
-    """cpu or cuda."""
+def run_dir(cfg: Config, job: str) -> Path:
+    out = Path(cfg.logging.root) / (cfg.logging.name or time.strftime(f"{job}-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    return out
 
 
-@dataclass
-class RolloutArgs(EngineArgs):
-    """Run an agent over a dataset with a model (no training); write the samples as JSONL."""
-
-    agent: str = ""
-    """Agent file (`path.py` or `path.py:ClassName`)."""
-    data: str = ""
-    """Tasks, JSONL with at least `prompt`."""
-    out: str = "rollouts.jsonl"
-    """Where to write the samples (one JSON line per segment)."""
-    n_samples: int = 1
-    """Episodes per task."""
-    agent_config: dict[str, str] = field(default_factory=dict)
-    """Keyword arguments for the agent's constructor."""
-    judge: str = ""
-    """A judge model for the agent (`self.judge`): "policy" or a Hugging Face folder (its own
-    engine). Empty: none."""
+def save(path: Path, samples: list) -> None:
+    path.unlink(missing_ok=True)  # (write_jsonl appends)
+    write_jsonl(path, samples)
 
 
-@dataclass
-class ServeArgs(EngineArgs):
-    """Serve the engine behind the gateway; print the base URLs and the key."""
-
-    sessions: int = 1
-    """Episodes (sessions) to open; each gets its own pair of base URLs."""
-    out: str = ""
-    """If set, write the captured sessions as JSONL samples here on exit."""
+def sampling(cfg: Config) -> dict:
+    r = cfg.rollout
+    return {"temperature": r.temperature, "max_tokens": r.max_tokens, "ignore_eos": r.ignore_eos}
 
 
-def _launch(model: str, args: EngineArgs) -> list:
-    return launch(model, device=args.device, dtype="float32" if args.device == "cpu"
-                  else "bfloat16", max_model_len=args.max_model_len, kv_cache_gb=1, threads=2,
-                  seed=0)
+@contextmanager
+def engines(cfg: Config, path: Path) -> Iterator[list]:
+    """Ray and the engines on `path`; released on exit, whatever raised."""
+    start_ray(cfg.cluster.ray_address)
+    try:
+        yield start_engines(cfg, path)
+    finally:
+        ray.shutdown()
 
 
-def _engine(args: EngineArgs):
-    model = Path(args.model) if args.model else builtin_model()
-    ray.init(include_dashboard=False, log_to_driver=False)
-    return model, AutoTokenizer.from_pretrained(model), _launch(str(model), args)
+@contextmanager
+def agent_rollouts(cfg: Config, inputs: Inputs) -> Iterator[Rollouts]:
+    """The agent's episodes on fresh engines; closed on exit, whatever raised."""
+    with engines(cfg, inputs.model_path) as policy:
+        rollouts = make_rollouts(cfg, inputs.agent_cls, policy, inputs.tokenizer,
+                                 inputs.model_path)
+        try:
+            yield rollouts
+        finally:
+            rollouts.close()
 
 
-def rollout(args: RolloutArgs) -> dict:
-    if not args.agent or not args.data:
-        raise ValueError("instar rollout needs --agent FILE and --data FILE")
-    agent_cls, tasks = load_agent(args.agent), load_tasks(args.data)
-    model, tokenizer, engines = _engine(args)
-    judge_engines = [] if args.judge in ("", "policy") else _launch(args.judge, args)
-    runner = Rollouts(agent_cls, args.agent_config, engines, tokenizer, model_name=model.name,
-                      max_model_len=args.max_model_len, limits={}, judge=args.judge,
-                      judge_engines=judge_engines)
-    batch = runner.run(tasks, args.n_samples, {"temperature": args.temperature,
-                                               "max_tokens": args.max_tokens}, "rollout")
-    runner.close()
-    Path(args.out).unlink(missing_ok=True)
-    write_jsonl(args.out, batch.samples)
+def rollout(cfg: Config) -> dict:
+    """`instar rollout`: --rollout.group-size episodes of each task of --data.train (empty:
+    the built-in task) with the agent (--agent), no training. Failed episodes are counted and
+    their tracebacks printed."""
+    inputs, out = run_inputs(cfg), run_dir(cfg, "rollout")
+    with agent_rollouts(cfg, inputs) as rollouts:
+        batch = rollouts.run(inputs.train_tasks, cfg.rollout.group_size, sampling(cfg), "rollout")
+    save(out / "rollouts.jsonl", batch.samples)
     episodes = one_per_rollout(batch.samples)
     n = max(len(episodes), 1)
     summary = {"episodes": len(episodes), "segments": len(batch.samples),
                "mean_reward": sum(s.reward for s in episodes) / n,
                "mean_turns": sum(s.info.get("turns", len(s.info.get("turn_rewards", [])))
                                  for s in episodes) / n,
-               "failed": dict(batch.failed), "out": args.out}
+               "failed": dict(batch.failed), "out": str(out / "rollouts.jsonl")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     for err in batch.errors:
         Console(stderr=True).print(f"[yellow]{err['rollout_id']} failed:\n{err['traceback']}")
     Console().print_json(json.dumps(summary))
-    ray.shutdown()
     return summary
 
 
 def evaluate_model(cfg: Config) -> dict:
     """`instar eval --model.path DIR`: the run's eval (--eval.*, --data.eval, --agent) on a
-    checkpoint, without training; writes eval.json and eval_samples.jsonl to a run directory."""
-    from instar.loop import make_rollouts, run_inputs
-
-    _, tasks, agent_cls, model_path, tokenizer = run_inputs(cfg)
-    if not tasks:
+    checkpoint, without training."""
+    inputs = run_inputs(cfg)
+    if not inputs.eval_tasks:
         raise ValueError("instar eval needs held-out tasks: --data.eval FILE and --eval.size > 0")
-    out = Path(cfg.logging.root) / (cfg.logging.name or time.strftime("eval-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
-    start_ray(cfg.cluster.ray_address)
-    r = cfg.rollout
-    engines = launch(str(model_path), device=cfg.train.device, dtype=cfg.model.dtype,
-                     max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb, threads=r.threads,
-                     seed=cfg.data.seed, count=r.num_engines)
-    rollouts = make_rollouts(cfg, agent_cls, engines, tokenizer, model_path)
-    metrics, batch = evaluate(rollouts, tasks, cfg.eval, r.max_tokens, "eval")
-    rollouts.close()
-    ray.shutdown()
-    result = {"model": str(model_path), "tasks": len(tasks), **metrics,
+    out = run_dir(cfg, "eval")
+    with agent_rollouts(cfg, inputs) as rollouts:
+        metrics, batch = evaluate(rollouts, inputs.eval_tasks, cfg.eval, cfg.rollout.max_tokens,
+                                  "eval")
+    result = {"model": str(inputs.model_path), "tasks": len(inputs.eval_tasks), **metrics,
               "failed": dict(batch.failed)}
     (out / "eval.json").write_text(json.dumps(result, indent=2))
-    write_jsonl(out / "eval_samples.jsonl", batch.samples)
+    save(out / "eval_samples.jsonl", batch.samples)
     Console().print_json(json.dumps(result))
     return result
 
 
-def serve(args: ServeArgs) -> None:
-    model, tokenizer, engines = _engine(args)
-    gateway = Gateway(Router(engines).generate, tokenizer, model=model.name,
-                      max_model_len=args.max_model_len).start()
-    sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
-    sids = [gateway.open_session(f"serve-{i}", "serve", sampling, 10**6, args.max_model_len)
-            for i in range(args.sessions)]
-    print(f"api key: {gateway.api_key}\nmodel: {model.name}")
-    for sid in sids:
-        openai_url, anthropic_url = gateway.urls(sid)
-        print(f"session {sid}\n  OpenAI base URL:    {openai_url}\n"
-              f"  Anthropic base URL: {anthropic_url}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    if args.out:
-        Path(args.out).unlink(missing_ok=True)
-        for sid in sids:
-            write_jsonl(args.out, gateway.close_session(sid).samples(0.0, {}))
-        print(f"wrote {args.out}")
-    gateway.stop()
-    ray.shutdown()
+def serve(cfg: Config) -> None:
+    """`instar serve`: the engines behind the gateway, --serve.sessions sessions sampled with
+    the --rollout.* settings, until Ctrl-C (or SIGTERM); then the sessions are written."""
+    path, out, r = model_path(cfg), run_dir(cfg, "serve"), cfg.rollout
+    with engines(cfg, path) as policy:
+        gateway = Gateway(Router(policy, Versions()).generate, AutoTokenizer.from_pretrained(path),
+                          model=path.name, max_model_len=r.max_model_len).start()
+        try:
+            sids = [gateway.open_session(f"serve-{i}", "serve", sampling(cfg), 10**6,
+                                         r.max_model_len) for i in range(cfg.serve.sessions)]
+            print(f"api key: {gateway.api_key}\nmodel: {path.name}")
+            for sid in sids:
+                openai_url, anthropic_url = gateway.urls(sid)
+                print(f"session {sid}\n  OpenAI base URL:    {openai_url}\n"
+                      f"  Anthropic base URL: {anthropic_url}", flush=True)
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            stop.wait()
+            save(out / "sessions.jsonl", [s for sid in sids
+                                          for s in gateway.close_session(sid).samples(0.0, {})])
+        finally:
+            gateway.stop()
+    print(f"wrote {out / 'sessions.jsonl'}")

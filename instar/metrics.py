@@ -1,10 +1,68 @@
-"""A run's log: metrics.jsonl (one line a step or eval), TensorBoard event files, and W&B
+"""A run's log: what each step logs (`step_metrics`; docs/metrics.md says what each means),
+and where it goes: metrics.jsonl (one line a step or eval), TensorBoard event files, and W&B
 when a project is configured. Each JSONL line carries `time` (Unix seconds, when it was
 written). Non-numeric values (lists of prompt ids) go to the JSONL only."""
 
 import json
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+from instar.evaluate import mean
+from instar.rollout.runner import Batch
+from instar.sample import Sample, one_per_rollout
+
+MISMATCH = ("abs_logprob_diff", "k3")
+"""Engine-vs-trainer mismatch on the step's lag-0 tokens, logged under invariants/."""
+
+
+@dataclass
+class StepResult:
+    """What one RL step did."""
+
+    step: int
+    batch: Batch
+    """The step's rollouts as collected: samples, failures, restarts."""
+    trained: list[Sample]
+    """The samples the update trained on (after dynamic filtering)."""
+    stats: dict[str, float]
+    """The update's loss and stats (empty if nothing was trained)."""
+    probe_diff: float
+    """The post-sync probe check of the weights the step's tokens were trained against."""
+    engine_stats: list[dict]
+    seconds: dict[str, float]
+    """wait (for rollouts), train, sync."""
+
+
+def step_metrics(r: StepResult) -> dict:
+    """The step's line of metrics.jsonl."""
+    sampled, episodes = r.batch.samples, one_per_rollout(r.batch.samples)
+    lags = Counter(r.step - 1 - v for s in r.trained for v, m in zip(s.versions, s.loss_mask) if m)
+    info_keys = {k for s in episodes for k, v in s.info.items()
+                 if isinstance(v, int | float) and not isinstance(v, bool)}
+    return {
+        "step": r.step, "rollout/reward": mean(s.reward for s in episodes),
+        **{f"rollout/info/{k}": mean(s.info[k] for s in episodes if k in s.info)
+           for k in sorted(info_keys)},
+        "rollout/gen_tokens": sum(s.num_generated for s in sampled),
+        "rollout/failed": sum(r.batch.failed.values()),
+        **{f"rollout/failed/{k}": v for k, v in r.batch.failed.items()},
+        "rollout/restarted": r.batch.restarted, "rollout/retried": r.batch.retried,
+        "rollout/dropped_groups": r.batch.dropped_groups,
+        "lengths/sampled_mean": mean(s.num_generated for s in sampled),
+        "lengths/trained_mean": mean(s.num_generated for s in r.trained),
+        **{f"engine/{i}/{k}": v for i, s in enumerate(r.engine_stats) for k, v in s.items()},
+        **{f"train/{k}": v for k, v in r.stats.items() if k not in MISMATCH},
+        **{f"invariants/{k}": r.stats[k] for k in MISMATCH if k in r.stats},
+        "invariants/sync_probe_diff": r.probe_diff,
+        **{f"staleness/lag_{k}": n / sum(lags.values()) for k, n in sorted(lags.items())},
+        "staleness/max": max(lags, default=0),
+        **{f"timing/{k}_s": v for k, v in r.seconds.items()},
+        "timing/step_s": sum(r.seconds.values()),
+        "perf/gen_tokens_per_s": sum(s["tokens_per_s"] for s in r.engine_stats),
+        "prompts": [s.task_id for s in {s.group_id: s for s in sampled}.values()],  # one a group
+    }
 
 
 class RunLog:

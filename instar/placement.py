@@ -23,8 +23,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus: int,
           rank_cpus: int, engine_resource: str = "", rank_resource: str = "", *,
-          one_host: bool = False, timeout_s: float = 120) -> tuple[list[dict], list[dict]]:
-    """Ray actor options (`actor.options(**o)`) for each engine and each trainer rank.
+          one_host: bool = False, timeout_s: float = 120) -> tuple[list[dict], list[dict], object]:
+    """Ray actor options (`actor.options(**o)`) for each engine and each trainer rank, and the
+    placement group (remove it with `ray.util.remove_placement_group` when the run ends).
     `one_host`: refuse a placement across hosts (the file transport passes the weights
     through one host's /dev/shm)."""
     gpu = {"GPU": 1} if device == "cuda" else {}
@@ -58,4 +59,4 @@ def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus:
     def options(bundle: int, cpus: int) -> dict:
         return dict(num_cpus=cpus, num_gpus=share, scheduling_strategy=
                     PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
-    return ([options(b, engine_cpus) for b in engine_at], [options(b, rank_cpus) for b in rank_at])
+    return [options(b, engine_cpus) for b in engine_at], [options(b, rank_cpus) for b in rank_at], pg

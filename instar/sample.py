@@ -46,6 +46,8 @@ class Sample:
     """The rollout's reward (sum of per-turn rewards)."""
     finish_reason: str
     """Why the episode ended: stop, length, max_turns, max_tokens, timeout, error."""
+    task_id: str = ""
+    """The id of the task (dataset row) the rollout ran on."""
     sampling: dict[str, Any] = field(default_factory=dict)
     """Sampling settings the tokens were drawn with (temperature, top_p, ...)."""
     info: dict[str, Any] = field(default_factory=dict)

@@ -5,32 +5,29 @@
 
 Rows are {"messages": [...], "tools": [...]}; masks come from the chat template (see
 instar/train/sft_data.py). Each step takes `--data.prompts-per-step` rows; the same FSDP2
-ranks, learning-rate schedule and export as `instar rl`. With `--data.eval` (or the
-built-in data's held-out part) the mean assistant-token loss is measured before and after.
+ranks, learning-rate schedule and export as `instar rl` (the steps: instar/train/sft.py).
+With `--data.eval` (or the built-in data's held-out part) the mean assistant-token loss is
+measured before and after.
 """
 
 import json
-import random
 import time
 from pathlib import Path
 
 import ray
+from rich.console import Console
 from transformers import AutoTokenizer
 
 from instar.cluster import start_ray
 from instar.config import Config
-from instar.loop import Trainer, console, lr_at
-from instar.tasks.tiny_model import builtin_model
-from instar.train.sft_data import assistant_mask, builtin_sft_data, load_sft_jsonl
-from instar.train.worker import Sequence
+from instar.inputs import model_path
+from instar.train.batch import Sequence
+from instar.train.schedule import lr_at
+from instar.train.sft import sequence, supervised
+from instar.train.sft_data import builtin_sft_data, load_sft_jsonl
+from instar.train.trainer import Trainer
 
-
-def sequences(rows: list[dict], tokenizer) -> list[Sequence]:
-    out = []
-    for row in rows:
-        ids, mask = assistant_mask(tokenizer, row["messages"], row.get("tools"))
-        out.append(Sequence(ids, mask, [0.0] * len(ids)))
-    return out
+console = Console()
 
 
 def eval_loss(trainer: Trainer, seqs: list[Sequence]) -> float:
@@ -45,33 +42,36 @@ def run_sft(cfg: Config) -> dict:
     run_dir = Path(cfg.logging.root).absolute() / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    model_path = Path(cfg.model.path) if cfg.model.path else builtin_model(
-        cfg.model.kind, cfg.model.size, cfg.model.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    base = model_path(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(base)
     rows = load_sft_jsonl(cfg.data.train or builtin_sft_data())
     held_out = load_sft_jsonl(cfg.data.eval) if cfg.data.eval else []
     if not cfg.data.train:  # built-in data: hold some rows out
         rows, held_out = rows[cfg.eval.size:], rows[:cfg.eval.size]
-    train, held_out = sequences(rows, tokenizer), sequences(held_out[:cfg.eval.size], tokenizer)
+    held_out = [sequence(tokenizer, row) for row in held_out[:cfg.eval.size]]
 
     start_ray(cfg.cluster.ray_address)
-    trainer, rng = Trainer(cfg, str(model_path)), random.Random(cfg.data.seed)
-    summary = {"eval_loss_before": eval_loss(trainer, held_out) if held_out else None}
-    with open(run_dir / "metrics.jsonl", "w") as metrics:
-        for step in range(1, cfg.train.steps + 1):
+    trainer = Trainer(cfg, str(base))
+    try:
+        summary = {"eval_loss_before": eval_loss(trainer, held_out) if held_out else None}
+        with open(run_dir / "metrics.jsonl", "w") as metrics:
             t0 = time.time()
-            stats = trainer.step(rng.sample(train, min(cfg.data.prompts_per_step, len(train))),
-                                 "sft", lr_at(step, cfg.train))
-            m = {"step": step, "train/loss": stats["loss"], "train/grad_norm": stats["grad_norm"],
-                 "train/lr": lr_at(step, cfg.train), "timing/step_s": time.time() - t0}
-            metrics.write(json.dumps(m) + "\n")
-            metrics.flush()
-            if step == 1 or step % 10 == 0 or step == cfg.train.steps:
-                console.log(f"sft step {step}: loss {m['train/loss']:.4f}")
-    summary["eval_loss_after"] = eval_loss(trainer, held_out) if held_out else None
-    if cfg.checkpoint.save_final:
-        trainer.export(model_path, run_dir / "final")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    trainer.shutdown()
-    ray.shutdown()
+            for step, stats in supervised(trainer, tokenizer, rows, cfg.train.steps,
+                                          cfg.data.prompts_per_step,
+                                          lambda k: lr_at(k, cfg.train), cfg.data.seed):
+                m = {"step": step, "train/loss": stats["loss"],
+                     "train/grad_norm": stats["grad_norm"], "train/lr": lr_at(step, cfg.train),
+                     "timing/step_s": time.time() - t0}
+                t0 = time.time()
+                metrics.write(json.dumps(m) + "\n")
+                metrics.flush()
+                if step == 1 or step % 10 == 0 or step == cfg.train.steps:
+                    console.log(f"sft step {step}: loss {m['train/loss']:.4f}")
+        summary["eval_loss_after"] = eval_loss(trainer, held_out) if held_out else None
+        if cfg.checkpoint.save_final:
+            trainer.export(base, run_dir / "final")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
     return summary

@@ -57,43 +57,41 @@ TOOL_CONVERSATION = [
 ]
 
 
+class OneRank:
+    """The trainer's `step` over one FSDP2 rank in this process (a group of one)."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def step(self, seqs, loss: str, lr: float) -> dict:
+        from instar.config import AlgoConfig
+
+        return self.rank.train_step([seqs], loss, AlgoConfig(), sum(sum(s.mask) for s in seqs),
+                                    len(seqs), 1.0, lr, 0.0)
+
+
 def teach(base: Path, out: Path, conversations: list[list[dict]], tools: list[dict] | None,
           steps: int = 250) -> Path:
     """`base` after a few seconds of SFT on the assistant turns of `conversations` (a model
-    that reliably says what it was taught), written to `out` with the tokenizer."""
-    import shutil
+    that reliably says what it was taught), written to `out` as a Hugging Face folder. The
+    same supervised steps as `instar sft` and the warm-up, on one rank in this process."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from instar.train.checkpoint import export_hf
+    from instar.train.rank import Rank, join
+    from instar.train.sft import supervised
 
-    tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    batch = []
-    for conversation in conversations:
-        ids, mask = [], []
-        for i, msg in enumerate(conversation):
-            text = tok.apply_chat_template(conversation[:i + 1], tools=tools, tokenize=False)
-            new = tok.encode(text, add_special_tokens=False)[len(ids):]
-            ids += new
-            # learn the assistant turns: everything after "<|im_start|>assistant\n" up to <|im_end|>
-            head = len(tok.encode("<|im_start|>assistant\n", add_special_tokens=False))
-            mask += [msg["role"] == "assistant" and head <= j < len(new) - 1
-                     for j in range(len(new))]
-        batch.append((torch.tensor([ids]), torch.tensor([mask], dtype=torch.float32)))
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = 0
-        for x, m in batch:
-            logp = torch.log_softmax(model(x).logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
-            loss = loss - (logp * m[:, 1:]).sum() / m.sum()
-        loss = loss / len(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(out)
-    for f in base.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template")):
-            shutil.copy(f, out / f.name)
+    join("cpu")
+    try:
+        one = OneRank(Rank(str(base), threads=2, lr=3e-3))
+        rows = [{"messages": c, "tools": tools} for c in conversations]
+        for _ in supervised(one, AutoTokenizer.from_pretrained(base), rows, steps, len(rows),
+                            lambda _: 3e-3, seed=0):
+            pass
+        export_hf(base, out, one.rank.save_weights)
+    finally:
+        dist.destroy_process_group()
     return out
 
 

@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.stack
+
 
 def test_gpu_bench_smoke_runs_dense_and_moe_and_writes_its_figures(tmp_path):
     out = tmp_path / "gpu_bench.json"

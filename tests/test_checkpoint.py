@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM
 
 from instar.train import checkpoint
 
+pytestmark = pytest.mark.stack
+
 
 def rank_main(rank: int, port: int, model_path: Path, root: Path, phase: str) -> None:
     torch.set_num_threads(1)

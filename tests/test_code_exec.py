@@ -76,6 +76,7 @@ class Scripted(CodeExec):
         return await super().step(Action(self.code, action.token_ids))
 
 
+@pytest.mark.stack
 def test_escapes_cost_only_their_own_reward(engine, tokenizer, tasks):
     batch_tasks = [Task(prompt=t.prompt, label=t.label, id=str(i), data=t.data)
                    for i, t in enumerate(tasks * 2)]
@@ -97,6 +98,7 @@ def test_escapes_cost_only_their_own_reward(engine, tokenizer, tasks):
         assert by_task[i].reward == 1.0 and by_task[i].info["violation"] == ""
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("agent", ["instar/tasks/code_exec.py", "examples/code_exec_openai.py"])
 def test_code_exec_on_the_tiny_model(agent, engine, tokenizer, tasks):
     """Env and ChatAgent through the runner: whatever the model writes runs in the sandbox

@@ -1,10 +1,12 @@
 import dataclasses
+import re
 import subprocess
 import sys
 
 import pytest
 import yaml
 
+from instar.cli import SECTIONS, main, parse
 from instar.config import Config, from_dict, load_yaml
 
 
@@ -12,26 +14,93 @@ def test_default_config_is_valid():
     Config().validate()
 
 
-@pytest.mark.parametrize("change, flag", [
-    (lambda c: setattr(c.rollout, "group_size", 1), "--rollout.group-size"),
-    (lambda c: setattr(c.rollout, "temperature", 0.0), "--rollout.temperature"),
-    (lambda c: setattr(c.rollout, "max_tokens", 4096), "--rollout.max-tokens"),
-    (lambda c: setattr(c.train, "num_ranks", 0), "--train.num-ranks"),
-    (lambda c: setattr(c.data, "prompts_per_step", 0), "--data.prompts-per-step"),
-    (lambda c: setattr(c.algo, "clip_low", 1.5), "--algo.clip-low"),
-    (lambda c: setattr(c.rollout, "max_staleness", -1), "--rollout.max-staleness"),
-    (lambda c: setattr(c.algo, "dual_clip", 0.5), "--algo.dual-clip"),
-    (lambda c: setattr(c.algo, "estimator", "on_policy_distill"), "--algo.teacher"),
-    (lambda c: setattr(c.train, "cpu_offload", True), "--train.cpu-offload"),
-    (lambda c: setattr(c.train, "master_dtype", "bfloat16"), "--train.master-dtype bfloat16"),
-    (lambda c: setattr(c.rollout, "transport", "nccl"), "--rollout.transport nccl needs GPUs"),
-    (lambda c: setattr(c.cluster, "engine_resource", "gpu_a"), "--rollout.placement disaggregated"),
-])
-def test_validate_names_the_flag(change, flag):
+def changed(**settings) -> Config:
+    """A default Config with `settings` ("section__field": value) changed."""
     cfg = Config()
-    change(cfg)
-    with pytest.raises(ValueError, match=flag.replace(".", r"\.")):
-        cfg.validate()
+    for name, value in settings.items():
+        section, key = name.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("settings, flag", [
+    (dict(rollout__group_size=1), "--rollout.group-size"),
+    (dict(rollout__temperature=0.0), "--rollout.temperature"),
+    (dict(rollout__max_tokens=4096), "--rollout.max-tokens"),
+    (dict(train__num_ranks=0), "--train.num-ranks"),
+    (dict(data__prompts_per_step=0), "--data.prompts-per-step"),
+    (dict(algo__clip_low=1.5), "--algo.clip-low"),
+    (dict(rollout__max_staleness=-1), "--rollout.max-staleness"),
+    (dict(algo__dual_clip=0.5), "--algo.dual-clip"),
+    (dict(algo__estimator="on_policy_distill"), "--algo.teacher"),
+    (dict(algo__estimator="grpo2"), "--algo.estimator 'grpo2' is unknown; known: reinforce, "),
+    (dict(serve__sessions=0), "--serve.sessions"),
+    (dict(train__master_dtype="bfloat16"), "--train.master-dtype bfloat16"),
+    (dict(rollout__transport="nccl"), "--rollout.transport nccl needs GPUs"),
+    # settings that would be ignored: each names itself and what would make it count
+    (dict(algo__dual_clip=2.0, algo__policy_loss="gspo"),
+     "--algo.dual-clip 2.0 has no effect unless --algo.policy-loss ppo"),
+    (dict(algo__dual_clip=2.0, algo__policy_loss="cispo"), "--algo.dual-clip 2.0 has no effect"),
+    (dict(algo__kl_in_reward=True), "--algo.kl-in-reward has no effect unless --algo.kl-coef > 0"),
+    (dict(algo__kl_estimator="k1"), "--algo.kl-estimator k1 has no effect unless --algo.kl-coef"),
+    (dict(algo__reference="ref/"), "--algo.reference ref/ has no effect unless --algo.kl-coef"),
+    (dict(algo__teacher="t/"), "--algo.teacher t/ has no effect unless --algo.estimator "
+     "on_policy_distill"),
+    (dict(algo__gamma=0.99), "--algo.gamma 0.99 has no effect unless --algo.estimator gae"),
+    (dict(algo__lam=0.95), "--algo.lam 0.95 has no effect unless --algo.estimator gae"),
+    (dict(algo__critic_lr=1e-4), "--algo.critic-lr 0.0001 has no effect unless --algo.estimator gae"),
+    (dict(algo__value_clip=0.5), "--algo.value-clip 0.5 has no effect unless --algo.estimator gae"),
+    (dict(algo__is_level="sequence"), "--algo.is-level sequence has no effect unless --algo.is-mode"),
+    (dict(algo__is_low=0.1), "--algo.is-low 0.1 has no effect unless --algo.is-mode"),
+    (dict(algo__is_high=5.0), "--algo.is-high 5.0 has no effect unless --algo.is-mode"),
+    (dict(train__min_lr_ratio=0.0), "--train.min-lr-ratio 0.0 has no effect unless "
+     "--train.lr-schedule cosine"),
+    (dict(train__warmup_sft_steps=0, train__warmup_sft_lr=1e-3),
+     "--train.warmup-sft-lr 0.001 has no effect unless --train.warmup-sft-steps > 0"),
+    (dict(train__warmup_sft_steps=0, train__warmup_sft_batch=8), "--train.warmup-sft-batch 8"),
+    (dict(train__cpu_offload=True), "--train.cpu-offload has no effect unless --cluster.device cuda"),
+    (dict(rollout__gpu_memory=0.9), "--rollout.gpu-memory 0.9 has no effect unless "
+     "--cluster.device cuda"),
+    (dict(cluster__device="cuda", rollout__max_staleness=0, rollout__kv_cache_gb=4),
+     "--rollout.kv-cache-gb 4 has no effect unless --cluster.device cpu"),
+    (dict(rollout__max_retries=5), "--rollout.max-retries 5 has no effect unless "
+     "--rollout.on-failure retry"),
+    (dict(rollout__preflight=0, rollout__preflight_tol=0.1), "--rollout.preflight-tol 0.1 has no "
+     "effect unless --rollout.preflight > 0"),
+    (dict(cluster__engine_resource="gpu_a"), "--cluster.engine-resource gpu_a has no effect "
+     "unless --rollout.placement disaggregated"),
+    (dict(cluster__trainer_resource="gpu_b"), "--cluster.trainer-resource gpu_b has no effect"),
+    (dict(eval__size=0, data__eval="held_out.jsonl"), "--data.eval held_out.jsonl has no effect "
+     "unless --eval.size > 0"),
+    (dict(eval__size=0, eval__every=5), "--eval.every 5 has no effect unless --eval.size > 0"),
+    (dict(eval__size=0, eval__samples=4), "--eval.samples 4 has no effect"),
+    (dict(eval__size=0, eval__temperature=0.6), "--eval.temperature 0.6 has no effect"),
+    (dict(eval__size=0, eval__max_tokens=64), "--eval.max-tokens 64 has no effect"),
+    (dict(eval__size=0, eval__pass_threshold=0.5), "--eval.pass-threshold 0.5 has no effect"),
+    (dict(checkpoint__keep=5), "--checkpoint.keep 5 has no effect unless --checkpoint.every > 0"),
+    (dict(model__path="ckpt/", model__size="small"), "--model.size small has no effect unless "
+     "--model.path is empty"),
+    (dict(model__path="ckpt/", model__seed=1), "--model.seed 1 has no effect"),
+    (dict(model__path="ckpt/", model__kind="moe"), "--model.kind moe has no effect"),
+])
+def test_validate_names_the_flag(settings, flag):
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        changed(**settings).validate()
+
+
+@pytest.mark.parametrize("settings", [
+    dict(algo__dual_clip=3.0),
+    dict(algo__kl_coef=0.1, algo__kl_in_reward=True, algo__kl_estimator="k2", algo__reference="r"),
+    dict(algo__estimator="gae", algo__gamma=0.99, algo__lam=0.95, algo__critic_lr=1e-4),
+    dict(algo__is_mode="mask", algo__is_level="geometric", algo__is_high=3.0),
+    dict(train__lr_schedule="cosine", train__min_lr_ratio=0.0),
+    dict(rollout__on_failure="retry", rollout__max_retries=5),
+    dict(eval__size=8, eval__every=2, eval__samples=4),
+    dict(checkpoint__every=10, checkpoint__keep=5),
+    dict(model__path="ckpt/", model__dtype="bfloat16"),
+])
+def test_settings_that_count_are_accepted(settings):
+    changed(**settings).validate()
 
 
 def test_yaml_recipe_and_unknown_keys(tmp_path):
@@ -43,22 +112,91 @@ def test_yaml_recipe_and_unknown_keys(tmp_path):
         from_dict(Config, {"train": {"stepz": 3}})
 
 
-def test_flag_surface_is_frozen():
-    """Adding or removing a config field must be a visible edit here."""
-    names = sorted(f"{g.name}.{f.name}" for g in dataclasses.fields(Config)
-                   for f in dataclasses.fields(g.type))
-    assert names == sorted("""
-        agent.config agent.file agent.judge agent.max_tokens agent.max_turns agent.timeout_s algo.clip_high algo.clip_low algo.estimator algo.policy_loss algo.aggregation algo.dual_clip algo.is_mode algo.is_level algo.is_low algo.is_high algo.kl_coef algo.kl_estimator algo.kl_in_reward algo.reference algo.teacher algo.gamma algo.lam algo.critic_lr algo.value_clip algo.dynamic_filter
-        checkpoint.save_final checkpoint.every checkpoint.keep checkpoint.resume data.eval data.prompts_per_step eval.size eval.every eval.samples eval.temperature eval.max_tokens eval.pass_threshold data.seed
-        data.train logging.name logging.progress logging.root logging.tensorboard logging.wandb_project logging.rollouts_every logging.plots model.dtype model.kind
-        model.path model.seed model.size rollout.group_size rollout.on_failure rollout.max_retries rollout.preflight rollout.preflight_tol
-        rollout.kv_cache_gb rollout.max_model_len rollout.max_tokens rollout.ignore_eos rollout.num_engines rollout.sync_check_tol
-        rollout.temperature rollout.threads rollout.placement rollout.gpu_memory rollout.partial
-        rollout.max_staleness rollout.transport train.freeze train.device train.grad_clip train.lr train.micro_batch_tokens train.lr_warmup_steps train.lr_schedule train.min_lr_ratio train.activation_checkpointing train.cpu_offload
-        train.master_dtype train.routing_replay
-        train.num_ranks train.steps train.threads_per_rank train.warmup_sft_batch
-        train.warmup_sft_lr train.warmup_sft_steps train.weight_decay
-        cluster.ray_address cluster.engine_resource cluster.trainer_resource""".split())
+FLAGS = {  # every flag of each section, as --help shows it
+    "model": "path kind size seed dtype",
+    "data": "train eval prompts-per-step seed",
+    "agent": "file config max-turns max-tokens timeout-s judge",
+    "rollout": "group-size temperature max-tokens ignore-eos max-model-len kv-cache-gb num-engines "
+               "threads placement gpu-memory transport partial max-staleness on-failure "
+               "max-retries preflight preflight-tol sync-check-tol",
+    "eval": "size every samples temperature max-tokens pass-threshold",
+    "train": "steps num-ranks freeze threads-per-rank lr lr-warmup-steps lr-schedule min-lr-ratio "
+             "weight-decay grad-clip micro-batch-tokens activation-checkpointing cpu-offload "
+             "master-dtype routing-replay warmup-sft-steps warmup-sft-lr warmup-sft-batch",
+    "algo": "estimator policy-loss aggregation clip-low clip-high dual-clip is-mode is-level "
+            "is-low is-high kl-coef kl-estimator kl-in-reward reference teacher gamma lam "
+            "critic-lr value-clip dynamic-filter",
+    "checkpoint": "save-final every keep resume",
+    "logging": "root name progress tensorboard wandb-project rollouts-every plots",
+    "cluster": "device ray-address engine-resource trainer-resource",
+    "serve": "sessions",
+}
+COMMAND_SECTIONS = {  # the sections each command's --help shows
+    "rl": "model data agent rollout eval train algo checkpoint logging cluster",
+    "sft": "model data eval train checkpoint logging cluster",
+    "eval": "model data agent rollout eval logging cluster",
+    "rollout": "model data agent rollout logging cluster",
+    "serve": "model rollout logging cluster serve",
+}
+
+
+def help_entries(command: str, monkeypatch, capsys) -> dict[str, str]:
+    """`instar COMMAND --help`: each flag with its help text (words only: no wrapping, boxes)."""
+    monkeypatch.setenv("COLUMNS", "100")  # one column of sections
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    entries, flag = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        if m := re.match(r"[│ ] ?(--[a-z][\w.-]*)(.*)", line):
+            flag, entries[m[1]] = m[1], m[2]
+        elif not re.search(r"\w", line):  # a blank line or a box's edge ends a section
+            flag = None
+        elif flag:
+            entries[flag] += " " + line
+    return {f: " ".join(text.replace("│", " ").split()) for f, text in entries.items()}
+
+
+@pytest.mark.parametrize("command", COMMAND_SECTIONS)
+def test_flag_surface_is_frozen(command, monkeypatch, capsys):
+    """Adding, renaming or removing a flag, or showing a section in one more command, must be
+    a visible edit here; commands show only the sections they read."""
+    expected = {f"--{section}.{name}" for section in COMMAND_SECTIONS[command].split()
+                for name in FLAGS[section].split()}
+    assert set(help_entries(command, monkeypatch, capsys)) == expected
+    assert set(SECTIONS[command]) == set(COMMAND_SECTIONS[command].split())
+    assert set(SECTIONS["rl"]) | {"serve"} == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_a_setting_reads_the_same_in_every_command(monkeypatch, capsys):
+    """`instar rollout --help` and `instar rl --help` (and the others) show the same flag, help
+    text and default for every setting they share."""
+    rl = help_entries("rl", monkeypatch, capsys)
+    for command in ("sft", "eval", "rollout", "serve"):
+        for flag, text in help_entries(command, monkeypatch, capsys).items():
+            if flag.split(".")[0][2:] in SECTIONS["rl"]:
+                assert text == rl[flag], (command, flag)
+
+
+def test_a_registered_estimator_is_a_choice(monkeypatch, capsys):
+    """Adding an estimator is one decorated function: the flag, --help and validate() take it,
+    and an unknown name is refused with the known ones."""
+    from instar.train import advantages
+
+    monkeypatch.setattr(advantages, "ESTIMATORS", dict(advantages.ESTIMATORS))
+
+    @advantages.estimator("batch_mean")
+    def batch_mean(x):
+        return (advantages.returns_BT(x) - x.rewards_B.mean()) * x.mask_BT
+
+    cfg, _ = parse("rl", ["--algo.estimator", "batch_mean"], "")
+    assert cfg.algo.estimator == "batch_mean"
+    assert "batch_mean" in help_entries("rl", monkeypatch, capsys)["--algo.estimator"]
+    with pytest.raises(SystemExit):
+        parse("rl", ["--algo.estimator", "batch_men"], "")
+    assert "batch_mean" in capsys.readouterr().err
+    cfg.algo.estimator = "batch_men"
+    with pytest.raises(ValueError, match="'batch_men' is unknown; known: .*, batch_mean"):
+        cfg.validate()
 
 
 def test_every_field_is_read_somewhere():
@@ -85,7 +223,7 @@ def test_print_config_prints_the_resolved_config(tmp_path):
     out = run_cli("rl", "--config", str(recipe), "--rollout.group-size", "4", "--print-config")
     assert out.returncode == 0, out.stderr
     printed = yaml.safe_load(out.stdout)
-    expected = dataclasses.asdict(Config())
+    expected = {s: dataclasses.asdict(getattr(Config(), s)) for s in SECTIONS["rl"]}
     expected["train"]["steps"], expected["rollout"]["group_size"] = 7, 4
     assert printed == expected
 
@@ -97,7 +235,19 @@ def test_cli_config_error_is_a_clear_message():
     assert "Traceback" not in out.stderr
 
 
-def test_agent_shorthand_flag():
-    out = run_cli("rl", "--agent", "examples/calculator_env.py", "--print-config")
-    assert out.returncode == 0, out.stderr
-    assert yaml.safe_load(out.stdout)["agent"]["file"] == "examples/calculator_env.py"
+@pytest.mark.parametrize("command", ["rl", "eval", "rollout"])
+def test_agent_shorthand_flag(command):
+    cfg, _ = parse(command, ["--agent", "examples/calculator_env.py"], "")
+    assert cfg.agent.file == "examples/calculator_env.py"
+
+
+def test_a_command_prints_and_sets_only_its_sections(tmp_path, capsys):
+    """A recipe serves every command (rl's recipe for `instar eval`); each reads its sections."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  steps: 7\nrollout:\n  max_tokens: 64\n")
+    cfg, printed = parse("rollout", ["--config", str(recipe), "--rollout.group-size", "2",
+                                     "--print-config"], "")
+    assert printed and (cfg.train.steps, cfg.rollout.max_tokens, cfg.rollout.group_size) == (7, 64, 2)
+    assert list(yaml.safe_load(capsys.readouterr().out)) == list(SECTIONS["rollout"])
+    with pytest.raises(SystemExit):
+        parse("rollout", ["--train.steps", "3"], "")  # not a flag of rollout

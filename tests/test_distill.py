@@ -8,6 +8,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.stack
+
 
 def instar_rl(root, name: str, *flags: str):
     out = subprocess.run(

@@ -7,8 +7,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from instar.config import Config
-from instar.loop import Trainer, sync_weights, verify_weights
-from instar.train.worker import Sequence
+from instar.train.batch import Sequence
+from instar.train.trainer import Trainer
+from instar.weight_sync import ProbeCheck, sync_weights
+
+pytestmark = pytest.mark.stack
 
 PROMPTS = ["Reverse: abc", "Reverse: hgfedc", "What is the answer?"]
 
@@ -73,7 +76,7 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
             # ...and no longer the old weights
             assert (hf_logprobs(old, prompt, gen, 0.8) - engine_lp).abs().max() > 1e-2
         probe += after[1][1].token_ids
-        assert verify_weights([engine], probe, trainer.probe(probe), tol=1e-4) < 1e-4
+        assert ProbeCheck([engine], probe, trainer.probe(probe), tol=1e-4).result() < 1e-4
 
         # a corrupted sync (one tensor altered in transit) is caught by the fingerprint check
         weights = load_file(str(path))
@@ -81,7 +84,7 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
         save_file(weights, str(tmp_path / "corrupt.safetensors"))
         ray.get(engine.load_weights.remote([str(tmp_path / "corrupt.safetensors")], 2))
         with pytest.raises(RuntimeError, match="weight sync check failed"):
-            verify_weights([engine], probe, trainer.probe(probe), tol=1e-4)
+            ProbeCheck([engine], probe, trainer.probe(probe), tol=1e-4).result()
     finally:
         # leave the shared engine as it was
         ray.get(engine.load_weights.remote([str(tiny_model / "model.safetensors")], 0))
@@ -135,11 +138,12 @@ def test_disaggregated_placement_gives_engines_and_ranks_bundles_of_their_own(ra
 
     from instar.placement import place
 
-    engines, ranks = place("disaggregated", "cpu", 1, 1, engine_cpus=1, rank_cpus=1)
+    engines, ranks, pg = place("disaggregated", "cpu", 1, 1, engine_cpus=1, rank_cpus=1)
     at = [o["scheduling_strategy"] for o in engines + ranks]
     assert [s.placement_group_bundle_index for s in at] == [0, 1]
-    table = placement_group_table(at[0].placement_group)
+    assert all(s.placement_group == pg for s in at)
+    table = placement_group_table(pg)
     assert table["bundles"] == {0: {"CPU": 1.0}, 1: {"CPU": 1.0}} and table["state"] == "CREATED"
-    ray.util.remove_placement_group(at[0].placement_group)
+    ray.util.remove_placement_group(pg)
     with pytest.raises(RuntimeError, match="cannot place disaggregated"):
         place("disaggregated", "cpu", 2, 2, engine_cpus=2, rank_cpus=2, timeout_s=2)

@@ -6,7 +6,10 @@ import pytest
 import ray
 
 from instar import Action, Env, Result, Task
-from instar.agents.env_loop import EpisodeError, run_env_episode
+from instar.agents.env_loop import run_env_episode
+from instar.errors import EpisodeError
+
+pytestmark = pytest.mark.stack
 
 SAMPLING = {"temperature": 1.0, "max_tokens": 8}
 

@@ -12,24 +12,28 @@ import pytest
 
 from instar.sample import read_jsonl
 
+pytestmark = pytest.mark.stack
+
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 @pytest.mark.parametrize("name", ["calculator_env", "tool_use_openai", "calculator_anthropic",
                                   "compacting_agent"])
 def test_instar_rollout_runs_each_example(name, tool_model, tmp_path):
-    out = tmp_path / "samples.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "instar.cli", "rollout", "--agent", str(EXAMPLES / f"{name}.py"),
-         "--data", str(EXAMPLES / "data" / "calculator.jsonl"), "--out", str(out),
-         "--model", str(tool_model), "--max-tokens", "40", "--max-model-len", "512",
-         "--temperature", "0.3"],  # low: the taught path, reliably
+         "--data.train", str(EXAMPLES / "data" / "calculator.jsonl"),
+         "--model.path", str(tool_model), "--rollout.group-size", "2",
+         "--rollout.max-tokens", "40", "--rollout.max-model-len", "512",
+         "--rollout.temperature", "0.3",  # low: the taught path, reliably
+         "--logging.root", str(tmp_path), "--logging.name", "run"],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout[done.stdout.index("{"):])
-    samples = read_jsonl(out)
-    assert summary["episodes"] == 8 and summary["failed"] == {}, summary
-    assert len({s.rollout_id for s in samples}) == 8
+    samples = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    assert summary == json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["episodes"] == 16 and summary["failed"] == {}, summary
+    assert len({s.rollout_id for s in samples}) == 16
     first = [s for s in samples if s.rollout_id.endswith("add-2-3-0")]
     if name == "compacting_agent":
         assert [s.segment for s in first] == [0, 1]

@@ -16,6 +16,8 @@ from conftest import CALCULATOR
 from instar.agents.chat import render
 from instar.gateway.server import Gateway
 
+pytestmark = pytest.mark.stack
+
 SAMPLING = {"temperature": 0.3, "max_tokens": 40}  # low: the taught path, reliably
 ANTHROPIC_TOOL = {"name": "calculator", "description": "Evaluate an arithmetic expression",
                   "input_schema": CALCULATOR["function"]["parameters"]}
@@ -28,7 +30,7 @@ class Recorder:
         self.engine, self.outputs = engine, []
 
     async def __call__(self, episode, ids, sampling, images):
-        gen = await self.engine.generate.remote(ids, sampling, None, 0, images)
+        gen = await self.engine.generate.remote(ids, sampling, 0, images)
         self.outputs.append(gen)
         return gen
 

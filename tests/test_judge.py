@@ -60,6 +60,7 @@ class JudgedChat(ChatAgent):
         return Result(reward=parse_score(verdict), info={"verdict": verdict})
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("agent_cls", [Judged, JudgedChat])
 def test_policy_judge(agent_cls, judge_engine, tokenizer):
     """`--agent.judge policy`: the judge is the policy's own engines (here the taught model
@@ -83,6 +84,7 @@ def test_policy_judge(agent_cls, judge_engine, tokenizer):
         assert s.loss_mask == [False] * len(prompt) + [True] * (len(s.tokens) - len(prompt))
 
 
+@pytest.mark.stack
 def test_frozen_judge_through_instar_rl(judge_model, tmp_path):
     """`--agent.judge DIR`: a frozen model on an engine of its own, wired by `instar rl`."""
     out = subprocess.run(

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from instar.config import AlgoConfig
+from instar.train.batch import Sequence, shard
 from instar.train.losses import (
     cispo_loss,
     gspo_loss,
@@ -18,7 +19,6 @@ from instar.train.losses import (
     token_mean,
     value_loss,
 )
-from instar.train.worker import Sequence, shard
 
 
 def pg(logp, old, adv_B, mask, **algo):

@@ -3,11 +3,13 @@ of the real FSDP2 worker: the optimizer holds float32, an update far below bfloa
 resolution survives where bfloat16 masters round it away, the forward computes what a
 bfloat16 model computes, and what goes to the engines is bfloat16."""
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from instar.config import AlgoConfig
-from instar.train.worker import Sequence, TrainWorker, engine_source
+from instar.train.batch import Sequence
+from instar.train.rank import Rank, engine_source, join
 
 SEQS = [Sequence(list(range(1 + k, 25 + k)), [False] * 4 + [True] * 20, [0.0] * 24)
         for k in range(4)]
@@ -17,8 +19,8 @@ LR = 1e-5  # an AdamW first step moves every weight by about lr: below bfloat16'
 
 def one_step(model_path, tmp_path, dtype: str, master: str) -> dict:
     """Build one rank, score the probe, take one SFT step; what the test looks at."""
-    w = TrainWorker(0, 1, None, str(model_path), device="cpu", dtype=dtype, threads=1,
-                    lr=LR, weight_decay=0.0, master_dtype=master)
+    join("cpu")
+    w = Rank(str(model_path), device="cpu", dtype=dtype, threads=1, lr=LR, master_dtype=master)
     try:
         before = {n: p.full_tensor().detach().clone() for n, p in w.model.named_parameters()}
         probe = w.score([PROBE], 1.0)[0]
@@ -44,6 +46,7 @@ def changed(run: dict) -> float:
     return moved / big
 
 
+@pytest.mark.stack
 def test_float32_masters_with_bfloat16_compute(tiny_model, tmp_path):
     mixed = one_step(tiny_model, tmp_path, "bfloat16", "float32")
     pure = one_step(tiny_model, tmp_path, "bfloat16", "bfloat16")

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.stack
 RAY = str(Path(sys.executable).parent / "ray")
 
 QUERY = """

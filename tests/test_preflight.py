@@ -9,10 +9,11 @@ import pytest
 from instar.agents.loading import load_agent, load_tasks
 from instar.config import Config
 from instar.evaluate import pass_at_k
-from instar.loop import Trainer, preflight
+from instar.preflight import preflight
 from instar.rollout.runner import Rollouts
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model
+from instar.train.trainer import Trainer
 
 
 def test_pass_at_k_matches_hand_counts():
@@ -35,6 +36,7 @@ def samples(engine, tokenizer):
     return batch.samples
 
 
+@pytest.mark.stack
 def test_preflight_passes_and_diagnoses(engine, tiny_model, tokenizer, samples):
     trainer = Trainer(Config(), str(tiny_model))
     try:

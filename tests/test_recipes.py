@@ -58,7 +58,7 @@ def test_there_are_recipes():
 def test_recipe_loads_and_validates(path):
     cfg = load_yaml(str(path)).validate()
     assert type_errors(cfg) == []
-    assert cfg.model.path and cfg.train.device == "cuda" and cfg.train.warmup_sft_steps == 0
+    assert cfg.model.path and cfg.cluster.device == "cuda" and cfg.train.warmup_sft_steps == 0
     assert (ROOT / cfg.agent.file.partition(":")[0]).is_file(), cfg.agent.file
     sections = {f.name for f in dataclasses.fields(Config)}
     for key in re.findall(r"#\s*TODO\(([^)]*)\)", path.read_text()):

@@ -4,10 +4,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
 from instar.sample import read_jsonl
+
+pytestmark = pytest.mark.stack
 
 
 def test_instar_rl_end_to_end(tmp_path):

@@ -7,6 +7,9 @@ import ray
 
 from instar.rollout.engine import launch
 from instar.rollout.router import Router
+from instar.rollout.versions import Versions
+
+pytestmark = pytest.mark.stack
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +21,7 @@ def two_engines(ray_session, tiny_model):
 
 
 def test_episodes_stay_on_one_engine_and_spread_by_load(two_engines, tokenizer):
-    router = Router(two_engines)
+    router = Router(two_engines, Versions())
     sampling = {"temperature": 1.0, "max_tokens": 4}
     ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 

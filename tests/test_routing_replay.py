@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from instar.config import Config
-from instar.loop import Trainer
+from instar.train.batch import Sequence
 from instar.train.losses import token_logprobs
 from instar.train.routing import RoutingReplay
-from instar.train.worker import Sequence
+from instar.train.trainer import Trainer
 
 B, T = 4, 16
 
@@ -90,6 +90,7 @@ def test_replay_forces_the_recorded_experts_and_trains_the_router(moe_model):
     assert all(torch.allclose(g, h, atol=1e-7) for g, h in zip(grads, again))
 
 
+@pytest.mark.stack
 def test_the_trainer_replays_recorded_routing_and_can_freeze_the_router(ray_session, moe_model,
                                                                         tmp_path):
     x, a, b = ids(), load(moe_model), load(moe_model, perturb=True)

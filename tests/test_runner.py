@@ -3,9 +3,12 @@
 import asyncio
 
 import openai
+import pytest
 
 from instar import ChatAgent, Env, Result, Task
 from instar.rollout.runner import Rollouts
+
+pytestmark = pytest.mark.stack
 
 SAMPLING = {"temperature": 1.0, "max_tokens": 4}
 TASKS = [Task(prompt=f"task {i}", id=str(i)) for i in range(4)]

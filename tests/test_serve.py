@@ -1,4 +1,5 @@
-"""`instar serve` as a user runs it: URLs and key printed, a request answered, sessions saved."""
+"""`instar serve` as a user runs it: URLs and key printed, a request answered, sessions saved
+to the run directory."""
 
 import os
 import re
@@ -8,15 +9,18 @@ import sys
 import time
 
 import openai
+import pytest
 
 from instar.sample import read_jsonl
 
+pytestmark = pytest.mark.stack
+
 
 def test_instar_serve_prints_urls_and_writes_sessions(tiny_model, tmp_path):
-    out = tmp_path / "sessions.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "instar.cli", "serve", "--model", str(tiny_model),
-         "--max-tokens", "8", "--max-model-len", "512", "--out", str(out)],
+        [sys.executable, "-m", "instar.cli", "serve", "--model.path", str(tiny_model),
+         "--rollout.max-tokens", "8", "--rollout.max-model-len", "512",
+         "--logging.root", str(tmp_path), "--logging.name", "serve"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         lines, deadline = [], time.time() + 300
@@ -35,5 +39,5 @@ def test_instar_serve_prints_urls_and_writes_sessions(tiny_model, tmp_path):
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
-    samples = read_jsonl(out)
+    samples = read_jsonl(tmp_path / "serve" / "sessions.jsonl")
     assert len(samples) == 1 and samples[0].num_generated == 8

@@ -16,6 +16,8 @@ from instar.sample import read_jsonl
 from instar.tasks.tool_use_data import demo, tool_use_data
 from instar.tasks.tools import call_tool
 
+pytestmark = pytest.mark.stack
+
 
 @pytest.fixture(scope="module")
 def taught(tiny_model, tmp_path_factory):
@@ -44,16 +46,16 @@ def runs(mask: list[bool]) -> list[tuple[bool, int, int]]:
 @pytest.mark.parametrize("agent", ["instar/tasks/tool_use.py", "examples/tool_use_openai.py"])
 def test_tool_use_through_instar_rollout(agent, taught, tmp_path):
     model, tasks, row = taught
-    out = tmp_path / "samples.jsonl"
     done = subprocess.run(
-        [sys.executable, "-m", "instar.cli", "rollout", "--agent", agent, "--data", str(tasks),
-         "--out", str(out), "--model", str(model), "--max-tokens", "96",
-         "--max-model-len", "1024", "--temperature", "0.3"],
+        [sys.executable, "-m", "instar.cli", "rollout", "--agent", agent, "--data.train",
+         str(tasks), "--model.path", str(model), "--rollout.group-size", "2",
+         "--rollout.max-tokens", "96", "--rollout.max-model-len", "1024",
+         "--rollout.temperature", "0.3", "--logging.root", str(tmp_path), "--logging.name", "run"],
         capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout[done.stdout.index("{"):])
-    assert summary["episodes"] == 4 and summary["failed"] == {}, summary
-    samples = read_jsonl(out)
+    assert summary["episodes"] == 8 and summary["failed"] == {}, summary
+    samples = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
     assert all(s.reward in (0.0, 1.0) for s in samples)
     (s,) = [s for s in samples if s.rollout_id == f"rollout-{row['id']}-0"]
     assert s.reward == 1.0 and s.info["tool_calls"] == 3, s.info

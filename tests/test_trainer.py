@@ -13,8 +13,10 @@ import pytest
 import ray
 
 from instar.config import Config
-from instar.loop import Trainer
-from instar.train.worker import Sequence
+from instar.train.batch import Sequence
+from instar.train.trainer import Trainer
+
+pytestmark = pytest.mark.stack
 
 
 def batch(n=12, seed=0):

@@ -16,15 +16,17 @@ from conftest import serve_model
 
 from instar import Task
 from instar.agents.chat import continuation_ids, prompt_ids
-from instar.agents.env_loop import EpisodeError, run_env_episode
+from instar.agents.env_loop import run_env_episode
 from instar.agents.images import data_url
 from instar.config import Config
+from instar.errors import EpisodeError
 from instar.gateway.server import Gateway
-from instar.loop import Trainer, sync_weights
 from instar.rollout.engine import collapse
 from instar.tasks.shapes import Shapes, score
 from instar.tasks.shapes_data import draw
-from instar.train.worker import Sequence
+from instar.train.batch import Sequence
+from instar.train.trainer import Trainer
+from instar.weight_sync import sync_weights
 
 # stop strings end most turns within a few random tokens, so episodes reach a second turn;
 # unlike a logit bias they leave the log-probs alone
@@ -92,13 +94,14 @@ class Recording(Shapes):
         return await super().step(action)
 
 
+@pytest.mark.stack
 def test_env_path_images_reach_engine_and_trainer(vl_engine, vl_tokenizer, trainer, tmp_path):
     pad = vl_tokenizer.convert_tokens_to_ids("<|image_pad|>")
     calls = []
 
     async def generate(ids, sampling, images):
         calls.append((ids, images))
-        gen = await vl_engine.generate.remote(ids, sampling, None, 0, images)
+        gen = await vl_engine.generate.remote(ids, sampling, 0, images)
         if gen.finish_reason == "placeholder":  # what the Router does with it
             raise EpisodeError("placeholder", "the model sampled an image placeholder token")
         return gen
@@ -144,7 +147,7 @@ def test_env_path_images_reach_engine_and_trainer(vl_engine, vl_tokenizer, train
     trainer.step([Sequence(s.tokens, s.loss_mask, [0.0] * len(s.tokens), images=s.images)
                   for s in samples], "sft", lr=1e-2)
     probe = vl_tokenizer.encode("<|im_start|>user\nWhat colour is the shape?<|im_end|>")
-    assert sync_weights(trainer, [vl_engine], str(tmp_path), 1, probe, tol=1e-4)() < 1e-4
+    assert sync_weights(trainer, [vl_engine], str(tmp_path), 1, probe, tol=1e-4)[1].result() < 1e-4
     for seed in range(10):  # a random model samples a placeholder now and then
         try:
             again = asyncio.run(run_env_episode(Recording(), Task(prompt="What colour?", data={
@@ -170,9 +173,9 @@ class Recorder:
         self.engine, self.outputs = engine, []
 
     async def __call__(self, episode, ids, sampling, images):
-        gen = await self.engine.generate.remote(ids, sampling, None, 0, images)
+        gen = await self.engine.generate.remote(ids, sampling, 0, images)
         if gen.finish_reason == "placeholder":  # (rare with the random model) try again
-            gen = await self.engine.generate.remote(ids, sampling, None, 0, images)
+            gen = await self.engine.generate.remote(ids, sampling, 0, images)
         self.outputs.append(gen)
         return gen
 
@@ -184,6 +187,7 @@ def gateway(vl_engine, vl_tokenizer):
     gw.stop()
 
 
+@pytest.mark.stack
 def test_gateway_images_openai_and_anthropic_match_the_trainer(gateway, trainer):
     pad = gateway.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     gateway.generate.outputs.clear()
@@ -217,6 +221,7 @@ def test_gateway_images_openai_and_anthropic_match_the_trainer(gateway, trainer)
     assert_trainer_matches_engine(trainer, samples)
 
 
+@pytest.mark.stack
 def test_malformed_images_get_wire_shaped_400s(gateway, tokenizer):
     sid = gateway.open_session("m", "g", SAMPLING, 4, 4096)
     base_openai, base_anthropic = gateway.urls(sid)

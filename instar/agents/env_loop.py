@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from instar.agents.chat import as_messages, continuation_ids, prompt_ids
 from instar.agents.contract import Action, Env, Task
 from instar.agents.images import image_urls, with_images
+from instar.errors import EpisodeError
 from instar.sample import Sample
 
 
@@ -34,19 +35,6 @@ class Generated(Protocol):
 
 Generate = Callable[[list[int], dict[str, Any], list[str]], Awaitable[Generated]]
 """generate(prompt ids, sampling, images as data URLs)"""
-
-
-class EpisodeError(Exception):
-    """The agent failed (raised, or ran out of time); the rollout is dropped and counted."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-class Requeue(Exception):
-    """A weight update stopped the episode (partial rollout off, or it became too stale):
-    it is started again from the beginning, not counted as a failure."""
 
 
 async def agent_call(coro):
@@ -129,4 +117,5 @@ async def run_env_episode(env: Env, task: Task, generate: Generate, tokenizer,
             timeout=env.timeout_s)
     except TimeoutError as e:
         raise EpisodeError("timeout", f"episode ran over {env.timeout_s}s") from e
-    return Sample(rollout_id=rollout_id, group_id=group_id, segment=0, sampling=sampling, **ep)
+    return Sample(rollout_id=rollout_id, group_id=group_id, task_id=task.id, segment=0,
+                  sampling=sampling, **ep)

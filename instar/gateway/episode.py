@@ -3,7 +3,8 @@
 import asyncio
 
 from instar.agents.contract import ChatAgent, ChatContext, Task
-from instar.agents.env_loop import EpisodeError, Requeue, agent_call
+from instar.agents.env_loop import agent_call
+from instar.errors import EpisodeError, Requeue
 from instar.gateway.server import Gateway
 from instar.sample import Sample
 
@@ -32,7 +33,7 @@ async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, sampl
         raise Requeue(f"episode {rollout_id} was stopped by a weight update")
     if session.failed is not None:
         raise session.failed
-    samples = session.samples(reward, info)
+    samples = session.samples(reward, info, task.id)
     if not samples:
         raise EpisodeError("no_generation", "the agent returned without calling the model")
     return samples

@@ -27,8 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from instar.agents.env_loop import EpisodeError, Requeue
 from instar.agents.images import IMAGE_TOKEN
+from instar.errors import EpisodeError, Requeue
 from instar.gateway.session import Session
 from instar.gateway.wire import AnthropicWire, OpenAIWire, WireError, bad_request, make_reply
 

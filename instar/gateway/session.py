@@ -117,10 +117,10 @@ class Session:
         self.finish_reason, self.turns = gen.finish_reason, self.turns + 1
         self.last_key, self.last_reply = turn.key, response
 
-    def samples(self, reward: float, info: dict[str, Any]) -> list[Sample]:
+    def samples(self, reward: float, info: dict[str, Any], task_id: str = "") -> list[Sample]:
         """One Sample per segment; all share the episode's reward and rollout id."""
         finish = self.truncated or self.finish_reason
-        return [Sample(rollout_id=self.rollout_id, group_id=self.group_id, segment=i,
+        return [Sample(rollout_id=self.rollout_id, group_id=self.group_id, task_id=task_id, segment=i,
                        tokens=s.tokens, loss_mask=s.loss_mask, logprobs=s.logprobs,
                        versions=s.versions, reward=reward, finish_reason=finish,
                        sampling=self.sampling, images=s.images or None,

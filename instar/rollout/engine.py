@@ -7,9 +7,9 @@ and the weight version that produced it.
 `load_weights` swaps in the trainer's weights without restarting the engine. With partial
 rollout (the default) requests in flight are paused, kept, and resumed on the new weights
 (their KV cache is recomputed), so the tokens of one request may carry two versions, split
-at the token where the update happened. A request whose episode would become older than
-`max_staleness` versions is aborted instead (finish_reason "abort"); the caller restarts
-the episode. With `partial=False` every request in flight is aborted at an update.
+at the token where the update happened. With `partial=False` every request in flight is
+aborted at an update (finish_reason "abort"); the caller restarts the episode. Staleness is
+bounded before a request starts, by admission control (see `Stream`), not here.
 
 Images (vision-language models): a request carries data URLs, one per image placeholder in
 its prompt, in order. vLLM expands each placeholder to one token per image patch group; the
@@ -57,7 +57,7 @@ class Engine:
 
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: int,
                  threads: int, seed: int, engine_id: int = 0, partial: bool = True,
-                 max_staleness: int = 0, capture_routing: bool = False,
+                 capture_routing: bool = False,
                  gpu_memory_utilization: float = 0.9, transport: str = "file", nice: int = 0):
         for thread in os.listdir("/proc/self/task") if nice else ():  # (nice is per thread)
             os.setpriority(os.PRIO_PROCESS, int(thread), nice)
@@ -89,10 +89,10 @@ class Engine:
         self.version, self.engine_id = 0, engine_id
         import ray  # Ray restarted this engine after it died: its constructor runs again
         self.restarted = int(ray.get_runtime_context().was_current_actor_reconstructed)
-        self.partial, self.max_staleness = partial, max_staleness
-        self.live: dict[str, tuple[int, list[tuple[int, int]]]] = {}
-        """Requests in flight: id -> (oldest version of their episode, [(tokens generated
-        before an update, the version after it), ...])."""
+        self.partial = partial
+        self.live: dict[str, list[tuple[int, int]]] = {}
+        """Requests in flight: id -> [(tokens generated before an update, the version after
+        it), ...]."""
         self.window = dict(start=time.time(), tokens=0, prompt=0, cached=0, peak=0)
         self.ready = asyncio.Event()  # cleared while weights are being loaded
         self.ready.set()
@@ -116,10 +116,9 @@ class Engine:
             final = out
         return final
 
-    async def generate(self, prompt_ids: list[int], sampling: dict, oldest: int | None = None,
-                       current: int = 0, images: list[str] = ()) -> Generation:
-        """`oldest`: the version of the episode's first generated token, if it has one;
-        `current`: the run's current version (a restarted engine may not have it yet);
+    async def generate(self, prompt_ids: list[int], sampling: dict, current: int = 0,
+                       images: list[str] = ()) -> Generation:
+        """`current`: the run's current version (a restarted engine may not have it yet);
         `images`: data URLs, one per image placeholder in the prompt.
 
         finish_reason "placeholder": the model sampled an image placeholder token, which the
@@ -129,11 +128,8 @@ class Engine:
         await self.ready.wait()  # a request that arrives during an update waits for it
         if self.version < current:
             return Generation([], [], [], "behind", "", engine=self.engine_id)
-        oldest = self.version if oldest is None else oldest
-        if self.version - oldest > self.max_staleness:  # the episode is already too old
-            return Generation([], [], [], "abort", "", engine=self.engine_id)
         rid, start, updates = uuid.uuid4().hex, self.version, []
-        self.live[rid] = (oldest, updates)
+        self.live[rid] = updates
         self.window["peak"] = max(self.window["peak"], len(self.live))
         try:
             final = await self._final(prompt_ids, SamplingParams(**sampling, logprobs=0), rid,
@@ -177,13 +173,9 @@ class Engine:
         """Stop generating before weights `version` arrive (see the module docstring)."""
         self.ready.clear()
         await self.llm.pause_generation(mode="keep" if self.partial else "abort")
-        stale = []
-        for rid, (oldest, updates) in self.live.items():
+        for rid, updates in self.live.items():
             if (n := self._generated_so_far(rid)) is not None:
                 updates.append((n, version))
-            if version - oldest > self.max_staleness:
-                stale.append(rid)
-        await self.llm.abort(stale)
         # (pausing also emptied the KV and prefix caches: nothing computed with the old
         # weights is reused)
 
@@ -234,6 +226,7 @@ class Engine:
 
 
 ENGINE_RESTARTS = 3
+"""Times Ray restarts an engine that died (see `Router`)."""
 
 
 CPU_NICE = 10
@@ -259,3 +252,14 @@ def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_c
                for i in range(count)]
     ray.get([e.__ray_ready__.remote() for e in engines])
     return engines
+
+
+def stop_engines(engines: list) -> None:
+    """Shut each engine's vLLM down, then end its actor (and process), even if that fails."""
+    import ray
+
+    try:
+        ray.get([e.shutdown.remote() for e in engines], timeout=60)
+    finally:
+        for e in engines:
+            ray.kill(e, no_restart=True)

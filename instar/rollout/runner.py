@@ -7,7 +7,7 @@ by a weight update (see `Engine.load_weights`) or by an engine that died is rest
 a fresh agent, up to `MAX_RESTARTS` times, and is not an agent failure.
 
 Episodes run as asyncio tasks on one background event loop, so rollouts can go on while
-the caller trains (see `Stream`).
+the caller trains (see instar/rollout/stream.py).
 """
 
 import asyncio
@@ -18,11 +18,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from instar.agents.contract import ChatAgent, Env, Task
-from instar.agents.env_loop import EpisodeError, Requeue, run_env_episode
+from instar.agents.env_loop import run_env_episode
 from instar.agents.judge import Judge
+from instar.errors import EpisodeError, Requeue
 from instar.gateway.episode import run_chat_episode
 from instar.gateway.server import Gateway
+from instar.rollout.engine import stop_engines
 from instar.rollout.router import Router
+from instar.rollout.versions import POLICY, Versions
 from instar.sample import Sample
 
 
@@ -54,8 +57,8 @@ MAX_RESTARTS = 3
 
 
 class Rollouts:
-    """Holds the router over the engines, the tokenizer, the event loop the episodes run on,
-    and (for ChatAgents) a running gateway."""
+    """Holds the router over the engines, the weight versions they hold, the tokenizer, the
+    event loop the episodes run on, and (for ChatAgents) a running gateway."""
 
     def __init__(self, agent_cls: type[Env] | type[ChatAgent], agent_config: dict,
                  engines: list, tokenizer, *, model_name: str, max_model_len: int, limits: dict,
@@ -64,7 +67,8 @@ class Rollouts:
         """`judge`: "" (none), "policy" (a judge on `engines`) or the folder of a frozen
         model served by `judge_engines` (started by the caller, shut down by `close`)."""
         self.agent_cls, self.agent_config, self.tokenizer = agent_cls, agent_config, tokenizer
-        self.router = Router(engines)
+        self.versions = Versions()
+        self.router = Router(engines, self.versions)
         self.limits = {k: v for k, v in limits.items() if v is not None}
         self.max_model_len = max_model_len
         self.on_failure, self.max_retries = on_failure, max_retries
@@ -78,7 +82,8 @@ class Rollouts:
         if judge:
             from transformers import AutoTokenizer
 
-            router = Router(self.judge_engines) if self.judge_engines else self.router
+            router = Router(self.judge_engines, Versions()) if self.judge_engines \
+                else self.router  # (a frozen judge's weights never change)
             tok = tokenizer if judge == "policy" else AutoTokenizer.from_pretrained(judge)
             self.judge = Judge(lambda ids, s: self._judge_generate(router, ids, s), tok)
         self.judge_requests = itertools.count()
@@ -153,6 +158,11 @@ class Rollouts:
         """Run `coro` on the rollout loop; a concurrent.futures.Future of its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def publish(self, version: int, weights: list[str], policy: str = POLICY) -> None:
+        """The engines now hold `version` of `policy` (files `weights`, for an engine that
+        restarts): the router and admission control go by it from now on."""
+        self.submit(self.versions.advance(policy, version, weights)).result()
+
     def run(self, tasks: list[Task], n: int, sampling: dict, tag: str) -> Batch:
         """`n` episodes of each task (blocks until all are done)."""
         async def all_groups():
@@ -166,82 +176,5 @@ class Rollouts:
         if self.gateway is not None:
             self.gateway.stop()
         if self.judge_engines:
-            async def stop():
-                await asyncio.gather(*(e.shutdown.remote() for e in self.judge_engines))
-            self.submit(stop()).result()
+            stop_engines(self.judge_engines)
         self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-class Stream:
-    """Groups of rollouts for training, started and handed out in order: ticket t is the
-    t-th group of the run, and step k trains on tickets (k-1)P .. kP-1 (P groups a step).
-
-    Admission control: ticket t starts only once the engines hold weights of version at
-    least t // P - max_staleness, so when step t // P + 1 trains on it (with the policy of
-    version t // P) no token of it is more than max_staleness versions old. Long episodes
-    are never overtaken and dropped: a step waits for its own tickets. With
-    max_staleness = 0 generation and training alternate; with k > 0, the groups of the
-    next k steps are generated while the trainer trains and syncs.
-    """
-
-    def __init__(self, rollouts: Rollouts, task_at, per_step: int, group_size: int,
-                 sampling: dict, max_staleness: int, first_ticket: int, version: int):
-        self.rollouts, self.task_at, self.per_step = rollouts, task_at, per_step
-        self.group_size, self.sampling, self.max_staleness = group_size, sampling, max_staleness
-        self.next, self.version = first_ticket, version
-        self.done: dict[int, Batch] = {}
-        self.changed = asyncio.Condition()
-        self.running: set[asyncio.Future] = set()
-        self.producer = rollouts.submit(self._produce())
-
-    def _admitted(self) -> bool:
-        return self.next // self.per_step - self.version <= self.max_staleness
-
-    async def _produce(self) -> None:
-        while True:
-            async with self.changed:
-                await self.changed.wait_for(self._admitted)
-            t, self.next = self.next, self.next + 1
-            self.running.add(g := asyncio.ensure_future(self._group(t)))
-            g.add_done_callback(self.running.discard)
-
-    async def _group(self, t: int) -> None:
-        try:
-            self.done[t] = await self.rollouts.group(self.task_at(t), self.group_size,
-                                                     self.sampling, f"t{t}")
-        except Exception as e:  # not an agent's failure (those are counted): stop the run
-            self.done[t] = e
-        async with self.changed:
-            self.changed.notify_all()
-
-    async def _take(self, tickets: range) -> list[Batch]:
-        async with self.changed:
-            await self.changed.wait_for(lambda: all(t in self.done for t in tickets))
-        groups = [self.done.pop(t) for t in tickets]
-        for g in groups:
-            if isinstance(g, Exception):
-                raise g
-        return groups
-
-    def take(self, step: int) -> list[Batch]:
-        """The groups of `step` (blocks until they are all done), in ticket order."""
-        return self.rollouts.submit(self._take(range((step - 1) * self.per_step,
-                                                     step * self.per_step))).result()
-
-    def set_version(self, version: int) -> None:
-        """The engines now hold `version`: admit the tickets it allows."""
-        async def notify():
-            self.version = version
-            async with self.changed:
-                self.changed.notify_all()
-        self.rollouts.submit(notify()).result()
-
-    def close(self) -> None:
-        """Stop admitting tickets; cancel the groups still running and wait until they end."""
-        self.producer.cancel()
-
-        async def drain():
-            for g in self.running:
-                g.cancel()
-            await asyncio.gather(*self.running, return_exceptions=True)
-        self.rollouts.submit(drain()).result()

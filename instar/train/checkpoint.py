@@ -16,6 +16,7 @@ any point leaves the previous checkpoint, and `latest` pointing to it, as they w
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -109,3 +110,15 @@ def load(path: Path, model, optimizer) -> dict:
     if rng.exists():  # absent for ranks beyond the world size that saved
         set_rng_state(torch.load(rng))
     return torch.load(path / "state.pt")
+
+
+def export_hf(base: Path, out: Path, write_weights) -> None:
+    """Write a Hugging Face folder `out`, atomically: the files of `base` (config, tokenizer)
+    with the weights `write_weights(path)` writes as model.safetensors."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    for f in base.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, tmp / f.name)
+    write_weights(str(tmp / "model.safetensors"))
+    os.replace(tmp, out)

@@ -1,0 +1,17 @@
+"""How an episode can end early. Raised by the episode runners (the Env loop, the gateway) and
+the router; caught by `Rollouts` (instar/rollout/runner.py), which counts the one and restarts
+the other. No imports: agent-facing code and the rollout side both use them."""
+
+
+class EpisodeError(Exception):
+    """The episode failed (the agent raised or ran out of time, or the model produced what
+    cannot go on): the rollout is dropped or retried, and counted by `reason`."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class Requeue(Exception):
+    """The infrastructure stopped the episode (a weight update with partial rollout off, an
+    engine that died): it starts again from the beginning and is not a failure."""

@@ -1,0 +1,34 @@
+"""Engines and rollouts from a run config: what `instar rl`, `eval`, `rollout` and `serve`
+all start the same way."""
+
+from pathlib import Path
+
+from instar.config import Config
+from instar.rollout.engine import launch
+from instar.rollout.runner import Rollouts
+
+
+def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | None = None,
+                  **options) -> list:
+    """`--rollout.num-engines` engines on `model_path` (Ray must be up); `options` go to
+    `Engine` (partial rollout, routing capture, the GPU transport)."""
+    r = cfg.rollout
+    return launch(str(model_path), device=cfg.cluster.device, dtype=cfg.model.dtype,
+                  max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb, threads=r.threads,
+                  seed=cfg.data.seed, count=r.num_engines, placement=placement,
+                  gpu_memory_utilization=r.gpu_memory, **options)
+
+
+def make_rollouts(cfg: Config, agent_cls: type, engines: list, tokenizer,
+                  model_path: Path) -> Rollouts:
+    """The agent's episodes on `engines`, with the run's limits and failure policy; a frozen
+    judge (`--agent.judge DIR`) gets an engine of its own, shut down with the rollouts."""
+    a, r = cfg.agent, cfg.rollout
+    judge_engines = [] if a.judge in ("", "policy") else launch(
+        a.judge, device=cfg.cluster.device, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
+        kv_cache_gb=r.kv_cache_gb, threads=r.threads, seed=cfg.data.seed)
+    return Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_path.name,
+                    max_model_len=r.max_model_len, on_failure=r.on_failure,
+                    max_retries=r.max_retries, judge=a.judge, judge_engines=judge_engines,
+                    limits={"max_turns": a.max_turns, "max_tokens": a.max_tokens,
+                            "timeout_s": a.timeout_s})

@@ -1,0 +1,77 @@
+"""Supervised fine-tuning: the one implementation behind `instar sft`, the warm-up before RL
+(`--train.warmup-sft-steps`) and the tests' teaching helper.
+
+A row is a chat conversation, {"messages": [...], "tools": [...]}; its sequence is the
+conversation rendered by the model's chat template, with the loss on the assistant tokens
+only (instar/train/sft_data.py). Each step draws `batch` rows at random (seeded) and takes
+one optimizer step on their mean token loss. The warm-up turns each training task into a row:
+its prompt, then its label as the assistant's answer.
+"""
+
+import hashlib
+import json
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from instar.agents.chat import as_messages
+from instar.agents.contract import Task
+from instar.config import Config
+from instar.tasks.tiny_model import cache_root
+from instar.train.batch import Sequence
+from instar.train.sft_data import assistant_mask
+from instar.train.trainer import Trainer
+
+
+def sequence(tokenizer, row: dict) -> Sequence:
+    ids, mask = assistant_mask(tokenizer, row["messages"], row.get("tools"))
+    return Sequence(ids, mask, [0.0] * len(ids))
+
+
+def supervised(trainer, tokenizer, rows: list[dict], steps: int, batch: int,
+               lr: Callable[[int], float], seed: int) -> Iterator[tuple[int, dict]]:
+    """`steps` optimizer steps of `trainer` (anything with `step(seqs, "sft", lr)`), each on
+    `batch` rows drawn at random; yields (step, the step's stats)."""
+    rng = random.Random(seed)
+    for step in range(1, steps + 1):
+        picked = rng.sample(rows, min(batch, len(rows)))
+        yield step, trainer.step([sequence(tokenizer, r) for r in picked], "sft", lr(step))
+
+
+def label_rows(tasks: list[Task]) -> list[dict]:
+    """Each task as a conversation: its prompt, then its label as the assistant's answer."""
+    if any(task.label is None for task in tasks):
+        raise ValueError("--train.warmup-sft-steps needs a `label` on every training task; "
+                         "set it to 0 for data without labels")
+    return [{"messages": as_messages(t.prompt) + [{"role": "assistant", "content": str(t.label)}]}
+            for t in tasks]
+
+
+def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
+    """Supervised warm-up on the tasks' labels; the result is cached as an HF folder keyed by
+    the base model, the data and the warm-up's settings."""
+    t = cfg.train
+    key = hashlib.sha256(json.dumps(["sft-v2", str(base), cfg.data.train, len(tasks),
+                                     tasks[0].id, t.warmup_sft_steps, t.warmup_sft_lr,
+                                     t.warmup_sft_batch, t.num_ranks, cfg.model.dtype,
+                                     t.master_dtype, cfg.data.seed]).encode())
+    out = cache_root() / "warm" / key.hexdigest()[:16]
+    if (out / "model.safetensors").exists():
+        return out
+    rows = label_rows(tasks)
+    trainer = Trainer(cfg, str(base))
+    try:
+        with Progress(TextColumn("warm-up (SFT, cached)"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=Console(),
+                      disable=not cfg.logging.progress) as bar:
+            task = bar.add_task("", total=t.warmup_sft_steps)
+            for _ in supervised(trainer, tokenizer, rows, t.warmup_sft_steps, t.warmup_sft_batch,
+                                lambda _: t.warmup_sft_lr, cfg.data.seed):
+                bar.advance(task)
+        trainer.export(base, out)
+    finally:
+        trainer.shutdown()
+    return out

@@ -1,0 +1,86 @@
+"""Weights from the trainer to the engines, and the check that they arrived.
+
+    sync_weights(trainer, engines, folder, v, ...)   each rank's shards -> /dev/shm -> every
+                                                     engine's reload_weights (or NCCL / IPC)
+        -> ProbeCheck: every engine scores a fixed probe sequence (already running)
+    check.result()                                   waits once; raises if an engine's log-probs
+                                                     differ from the trainer's by more than tol
+
+The loop waits for the check only before the new weights' tokens are trained on or
+evaluated, so the engines' probe overlaps the next rollouts.
+"""
+
+import time
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from instar.train.trainer import Trainer
+
+
+def on_engines(engines: list, method: str, *args, refs: list | None = None) -> list:
+    """Call `method` on every engine (or collect `refs`, the calls already made); an engine
+    that died is waited for (Ray restarts it) and called again."""
+    out = []
+    for e, ref in zip(engines, refs or [getattr(e, method).remote(*args) for e in engines]):
+        try:
+            out.append(ray.get(ref))
+        except RayActorError:
+            wait_restarted(e)
+            out.append(ray.get(getattr(e, method).remote(*args)))
+    return out
+
+
+def wait_restarted(engine) -> None:
+    """Block until Ray has restarted `engine` ("unavailable" meanwhile; "died" if it gave up)."""
+    while True:
+        try:
+            return ray.get(engine.__ray_ready__.remote())
+        except ActorUnavailableError:
+            time.sleep(1)
+
+
+class ProbeCheck:
+    """The engines scoring `probe` (started now); `result()` waits for them once and returns
+    the largest |engine - trainer| log-prob difference, or raises if it is over `tol`: that
+    engine does not hold the trainer's weights."""
+
+    def __init__(self, engines: list, probe: list[int], expected: list[float], tol: float):
+        self.engines, self.probe, self.expected, self.tol = engines, probe, expected, tol
+        self.refs = [e.prompt_logprobs.remote(probe) for e in engines]
+        self.worst: float | None = None
+
+    def result(self) -> float:
+        if self.worst is None:
+            got = on_engines(self.engines, "prompt_logprobs", self.probe, refs=self.refs)
+            diffs = [max(abs(a - b) for a, b in zip(g[1:], self.expected[1:])) for g in got]
+            for i, diff in enumerate(diffs):
+                if diff > self.tol:
+                    raise RuntimeError(
+                        f"weight sync check failed: on the probe sequence engine {i}'s log-probs "
+                        f"differ from the trainer's by {diff:.2e} (> {self.tol:.0e}, "
+                        "--rollout.sync-check-tol); the engine does not hold the trainer's "
+                        "weights (a broken transfer, or a layer the engine did not reload)")
+            self.worst = max(diffs)
+        return self.worst
+
+
+def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, probe: list[int],
+                 tol: float, transport: str = "file") -> tuple[list[str], ProbeCheck]:
+    """Push the trainer's weights into every engine as `version`. Returns the weight files
+    (file transport; for an engine that restarts later) and the engines' probe check, already
+    running: wait for it before the new weights' tokens are trained on or evaluated."""
+    paths = []
+    if transport == "file":  # each rank's shards through `folder` (RAM), into reload_weights
+        paths = trainer.save_shards(folder)
+        loads = [e.load_weights.remote(paths, version) for e in engines]
+        expected = trainer.probe(probe)  # while the engines load
+        on_engines(engines, "load_weights", paths, version, refs=loads)  # (a restarted one too)
+    else:  # device to device: NCCL or CUDA IPC
+        ray.get([e.pause.remote(version) for e in engines])
+        try:
+            trainer.send_weights()
+        finally:
+            ray.get([e.resume.remote(version) for e in engines])
+        expected = trainer.probe(probe)
+    return paths, ProbeCheck(engines, probe, expected, tol)
