@@ -53,7 +53,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import ray
 import torch
 from bench_tasks import QUICK, WORKLOADS, Workload, tool_result
 from trainer import flops_per_token, matmul_peak
@@ -62,7 +61,7 @@ from transformers import AutoTokenizer
 from instar.agents.chat import as_messages, continuation_ids, prompt_ids
 from instar.agents.loading import load_tasks
 from instar.cli import main as instar
-from instar.cluster import start_ray
+from instar.cluster import ray_for
 from instar.config import Config
 from instar.inputs import task_order
 from instar.tasks.reverse_data import reverse_data
@@ -90,11 +89,8 @@ def weights_for(w: Workload, base: Path, overrides: dict | None = None) -> Path:
     cfg = configure(Config(), overrides)
     cfg.data.train = reverse_data()[0]
     cfg.train.warmup_sft_steps, cfg.logging.progress = w.sft_steps, False
-    start_ray("")
-    try:
+    with ray_for(""):
         return warmup(cfg, base, load_tasks(cfg.data.train), AutoTokenizer.from_pretrained(base))
-    finally:
-        ray.shutdown()
 
 
 def write_tasks(w: Workload, folder: Path) -> tuple[Path, Path]:

@@ -33,6 +33,7 @@ from bench import figures, instar_side, weights_for, write_tasks
 from bench_tasks import Workload
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config, Qwen3MoeConfig
 
+from instar.cluster import ray_for
 from instar.tasks.tiny_model import build_tokenizer
 
 HERE = Path(__file__).parent
@@ -93,6 +94,34 @@ def gpu_peak() -> float:
     return 2 * 8192**3 / best
 
 
+def run(name: str, smoke: bool, root: Path, overrides: dict, peak: float) -> dict:
+    """One workload: its model (and warm-up), the instar run, its figures."""
+    shape, w = RUNS[name]
+    if smoke:
+        w = replace(w, prompts_per_step=2, group_size=2, max_tokens=min(w.max_tokens, 64),
+                    steps=1, dtype="float32")
+    start = time.perf_counter()
+    model = weights_for(w, build(shape, smoke, root), overrides)
+    run_root = root / name
+    run_root.mkdir()
+    steps, settings = instar_side(w, model, write_tasks(w, run_root)[0], run_root, overrides)
+    for s in steps:
+        s["idle_s"] = s["step_s"] - s["loop_step_s"]
+    f = figures(steps, model, peak)
+    result = {
+        "model": shape, "gen_tokens_per_gpu_s": f["gen_tokens_per_s"],
+        "trained_tokens_per_gpu_s": f["trained_tokens_per_s"],
+        **{k: f[k] for k in ("step_s", "episodes_per_s", "mfu_train", "mfu_generate",
+                             "gen_tokens_per_episode", "turns_per_episode")},
+        "time_split": {k: statistics.median(s[k] for s in steps)
+                       for k in ("wait_s", "train_s", "sync_s", "idle_s")},
+        "wall_s_with_startup": time.perf_counter() - start,
+        "workload": asdict(w), "settings": settings, "per_step": steps}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("per_step", "settings")},
+                     indent=1), flush=True)
+    return result
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=list(RUNS))
@@ -110,30 +139,9 @@ def main():
                      "rollout": {"max_staleness": 0, "placement": "colocated", "gpu_memory": 0.4}}
         peak = gpu_peak()
     results = {}
-    for name in args.only or list(RUNS):
-        shape, w = RUNS[name]
-        if args.smoke:
-            w = replace(w, prompts_per_step=2, group_size=2, max_tokens=min(w.max_tokens, 64),
-                        steps=1, dtype="float32")
-        start = time.perf_counter()
-        model = weights_for(w, build(shape, args.smoke, root), overrides)
-        run_root = root / name
-        run_root.mkdir()
-        steps, settings = instar_side(w, model, write_tasks(w, run_root)[0], run_root, overrides)
-        for s in steps:
-            s["idle_s"] = s["step_s"] - s["loop_step_s"]
-        f = figures(steps, model, peak)
-        results[name] = {
-            "model": shape, "gen_tokens_per_gpu_s": f["gen_tokens_per_s"],
-            "trained_tokens_per_gpu_s": f["trained_tokens_per_s"],
-            **{k: f[k] for k in ("step_s", "episodes_per_s", "mfu_train", "mfu_generate",
-                                        "gen_tokens_per_episode", "turns_per_episode")},
-            "time_split": {k: statistics.median(s[k] for s in steps)
-                           for k in ("wait_s", "train_s", "sync_s", "idle_s")},
-            "wall_s_with_startup": time.perf_counter() - start,
-            "workload": asdict(w), "settings": settings, "per_step": steps}
-        print(json.dumps({k: v for k, v in results[name].items()
-                          if k not in ("per_step", "settings")}, indent=1), flush=True)
+    with ray_for(""):  # one Ray for every workload
+        for name in args.only or list(RUNS):
+            results[name] = run(name, args.smoke, root, overrides, peak)
     device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": device, "smoke": args.smoke,
            "peak_gflops": peak / 1e9, "runs": results}

@@ -13,6 +13,8 @@ Rendezvous of a group of trainer ranks, wherever Ray placed them:
 """
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import ray
@@ -31,6 +33,20 @@ def start_ray(address: str) -> str:
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env=env)
     return "/tmp/ray/session_latest/logs"
+
+
+@contextmanager
+def ray_for(address: str) -> Iterator[None]:
+    """Ray for one command: started (or joined) here and shut down when the command ends, or,
+    when the caller already has Ray up (a notebook, the tests), that one, left running."""
+    if ray.is_initialized():
+        yield
+        return
+    print(f"engine and trainer logs: {start_ray(address)}", flush=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def rendezvous() -> Queue:

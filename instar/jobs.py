@@ -21,18 +21,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import ray
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from instar.cluster import start_ray
+from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate
 from instar.gateway.server import Gateway
 from instar.inputs import Inputs, model_path, run_inputs
+from instar.rollout.engine import stop_engines
 from instar.rollout.router import Router
 from instar.rollout.runner import Rollouts
-from instar.rollout.start import make_rollouts, start_engines
+from instar.rollout.start import make_rollouts, sampling, start_engines
 from instar.rollout.versions import Versions
 from instar.sample import one_per_rollout, write_jsonl
 
@@ -49,19 +49,15 @@ def save(path: Path, samples: list) -> None:
     write_jsonl(path, samples)
 
 
-def sampling(cfg: Config) -> dict:
-    r = cfg.rollout
-    return {"temperature": r.temperature, "max_tokens": r.max_tokens, "ignore_eos": r.ignore_eos}
-
-
 @contextmanager
 def engines(cfg: Config, path: Path) -> Iterator[list]:
     """Ray and the engines on `path`; released on exit, whatever raised."""
-    start_ray(cfg.cluster.ray_address)
-    try:
-        yield start_engines(cfg, path)
-    finally:
-        ray.shutdown()
+    with ray_for(cfg.cluster.ray_address):
+        policy = start_engines(cfg, path)
+        try:
+            yield policy
+        finally:
+            stop_engines(policy)
 
 
 @contextmanager

@@ -46,7 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AutoConfig
 
 from instar.agents.chat import as_messages, prompt_ids
-from instar.cluster import start_ray
+from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate, mean
 from instar.inputs import Inputs, run_inputs, task_order
@@ -56,7 +56,7 @@ from instar.plots import plot_run
 from instar.preflight import preflight
 from instar.rollout.engine import stop_engines
 from instar.rollout.runner import Batch, Rollouts
-from instar.rollout.start import make_rollouts, start_engines
+from instar.rollout.start import make_rollouts, sampling, start_engines
 from instar.rollout.stream import Stream
 from instar.sample import Sample, write_jsonl
 from instar.train import checkpoint
@@ -137,10 +137,8 @@ def setup(cfg: Config, stack: ExitStack) -> Run:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     inputs = run_inputs(cfg)
-    if not ray.is_initialized():  # (a caller's own Ray is used, and left running)
-        console.log(f"run directory {run_dir}; engine and trainer logs: "
-                    f"{start_ray(cfg.cluster.ray_address)}")
-        stack.callback(release, ray.shutdown)
+    console.log(f"run directory {run_dir}")
+    stack.enter_context(ray_for(cfg.cluster.ray_address))
     model = inputs.model_path
     if cfg.train.warmup_sft_steps:
         model = warmup(cfg, model, inputs.train_tasks, inputs.tokenizer)
@@ -189,11 +187,6 @@ def other_models(cfg: Config, model: Path) -> dict[str, Trainer]:
     if a.estimator == "gae":
         others["critic"] = Trainer(cfg, str(model), head="value", lr=a.critic_lr)
     return others
-
-
-def sampling(cfg: Config) -> dict:
-    r = cfg.rollout
-    return {"temperature": r.temperature, "max_tokens": r.max_tokens, "ignore_eos": r.ignore_eos}
 
 
 def begin(r: Run) -> int:

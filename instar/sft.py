@@ -14,11 +14,10 @@ import json
 import time
 from pathlib import Path
 
-import ray
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from instar.cluster import start_ray
+from instar.cluster import ray_for
 from instar.config import Config
 from instar.inputs import model_path
 from instar.train.batch import Sequence
@@ -50,7 +49,12 @@ def run_sft(cfg: Config) -> dict:
         rows, held_out = rows[cfg.eval.size:], rows[:cfg.eval.size]
     held_out = [sequence(tokenizer, row) for row in held_out[:cfg.eval.size]]
 
-    start_ray(cfg.cluster.ray_address)
+    with ray_for(cfg.cluster.ray_address):
+        return train(cfg, run_dir, base, tokenizer, rows, held_out)
+
+
+def train(cfg: Config, run_dir: Path, base: Path, tokenizer, rows: list[dict],
+          held_out: list[Sequence]) -> dict:
     trainer = Trainer(cfg, str(base))
     try:
         summary = {"eval_loss_before": eval_loss(trainer, held_out) if held_out else None}
@@ -73,5 +77,4 @@ def run_sft(cfg: Config) -> dict:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
         trainer.shutdown()
-        ray.shutdown()
     return summary

@@ -30,16 +30,14 @@ def ray_session():
     ray.shutdown()
 
 
-def serve_model(path):
-    """One CPU engine on `path` for the test session; shut down at the end."""
-    import ray
+def serve_model(path, max_model_len: int = 512):
+    """One CPU engine on `path` (a generator for a fixture); stopped after its last test."""
+    from instar.rollout.engine import launch, stop_engines
 
-    from instar.rollout.engine import launch
-
-    (actor,) = launch(str(path), device="cpu", dtype="float32", max_model_len=512,
+    (actor,) = launch(str(path), device="cpu", dtype="float32", max_model_len=max_model_len,
                       kv_cache_gb=1, threads=1, seed=0)
     yield actor
-    ray.get(actor.shutdown.remote())
+    stop_engines([actor])
 
 
 @pytest.fixture(scope="session")
@@ -71,10 +69,11 @@ class OneRank:
 
 
 def teach(base: Path, out: Path, conversations: list[list[dict]], tools: list[dict] | None,
-          steps: int = 250) -> Path:
+          steps: int = 250, batch: int = 0) -> Path:
     """`base` after a few seconds of SFT on the assistant turns of `conversations` (a model
     that reliably says what it was taught), written to `out` as a Hugging Face folder. The
-    same supervised steps as `instar sft` and the warm-up, on one rank in this process."""
+    same supervised steps as `instar sft` and the warm-up, on one rank in this process;
+    `batch` conversations a step (0: all)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -86,7 +85,8 @@ def teach(base: Path, out: Path, conversations: list[list[dict]], tools: list[di
     try:
         one = OneRank(Rank(str(base), threads=2, lr=3e-3))
         rows = [{"messages": c, "tools": tools} for c in conversations]
-        for _ in supervised(one, AutoTokenizer.from_pretrained(base), rows, steps, len(rows),
+        for _ in supervised(one, AutoTokenizer.from_pretrained(base), rows, steps,
+                            batch or len(rows),
                             lambda _: 3e-3, seed=0):
             pass
         export_hf(base, out, one.rank.save_weights)
@@ -106,3 +106,22 @@ def tool_model(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tool_engine(ray_session, tool_model):
     yield from serve_model(tool_model)
+
+
+def instar(root: Path, command: str, *flags: str, name: str = "run") -> Path:
+    """`instar COMMAND FLAGS` in this process, on the tests' Ray (a test using it asks for the
+    `ray_session` fixture), into the run directory root/name, which it returns."""
+    from instar.cli import main
+
+    main([command, *flags, "--logging.root", str(root), "--logging.name", name,
+          "--logging.no-progress"])
+    return root / name
+
+
+def step_lines(run: Path) -> dict[int, dict]:
+    """The step lines of a run's metrics.jsonl (eval lines left out), by step; a step logged
+    twice (it ran again after a resume) counts by its last line."""
+    import json
+
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {m["step"]: m for m in lines if "rollout/reward" in m}

@@ -4,14 +4,11 @@ the untaught tiny policy never writes that. Checks: the judge is called once per
 the reward is what `parse_score` makes of its verdict, and none of its tokens (prompt or
 verdict) are in the samples."""
 
-import json
 import random
-import subprocess
-import sys
 
 import openai
 import pytest
-from conftest import serve_model, teach
+from conftest import instar, serve_model, step_lines, teach
 
 from instar import ChatAgent, Result, parse_score
 from instar.agents.chat import as_messages, prompt_ids
@@ -78,26 +75,21 @@ def test_policy_judge(agent_cls, judge_engine, tokenizer):
     assert all(s.reward == parse_score(v) for s, v in zip(batch.samples, verdicts))
     assert verdicts.count("Score: 7") >= 6, verdicts
     for s in batch.samples:  # the prompt, then only what the policy generated
-        task = next(t for t in tasks if s.rollout_id.startswith(f"j-{t.id}-"))
+        task = next(t for t in tasks if t.id == s.task_id)
         prompt = prompt_ids(tokenizer, as_messages(task.prompt), None)
         assert s.tokens[:len(prompt)] == prompt
         assert s.loss_mask == [False] * len(prompt) + [True] * (len(s.tokens) - len(prompt))
 
 
 @pytest.mark.stack
-def test_frozen_judge_through_instar_rl(judge_model, tmp_path):
+def test_frozen_judge_through_instar_rl(judge_model, ray_session, tmp_path):
     """`--agent.judge DIR`: a frozen model on an engine of its own, wired by `instar rl`."""
-    out = subprocess.run(
-        [sys.executable, "-m", "instar.cli", "rl", "--agent", EXAMPLE, "--agent.judge",
-         str(judge_model), "--data.train", DATA, "--data.eval", DATA, "--eval.size", "2",
-         "--train.steps", "1", "--train.warmup-sft-steps", "0", "--data.prompts-per-step", "4",
-         "--rollout.group-size", "2", "--rollout.max-tokens", "8", "--logging.root",
-         str(tmp_path), "--logging.name", "run", "--logging.no-progress"],
-        capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    run = tmp_path / "run"
-    (m,) = [m for line in (run / "metrics.jsonl").read_text().splitlines()
-            if "rollout/reward" in (m := json.loads(line))]
+    run = instar(tmp_path, "rl", "--agent", EXAMPLE, "--agent.judge", str(judge_model),
+                 "--data.train", DATA, "--data.eval", DATA, "--eval.size", "2",
+                 "--train.steps", "1", "--train.warmup-sft-steps", "0",
+                 "--data.prompts-per-step", "4", "--rollout.group-size", "2",
+                 "--rollout.max-tokens", "8")
+    (m,) = step_lines(run).values()
     assert m["rollout/failed"] == 0 and m["invariants/abs_logprob_diff"] < 1e-4
     samples = read_jsonl(run / "rollouts.jsonl")
     verdicts = [s.info["verdict"] for s in samples]

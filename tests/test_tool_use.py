@@ -1,18 +1,17 @@
-"""The built-in tool-use task through `instar rollout`, as an Env and as a ChatAgent, on the
-tiny model taught one demonstration (conftest's `teach`): two lookups, a calculator call,
+"""The built-in tool-use task, as an Env and as a ChatAgent, on the tiny model taught one
+demonstration (conftest's `teach`): two lookups, a calculator call,
 the answer. Checks the tool calls, the observations between turns (the tools' results,
 rendered by the chat template, never trained on) and the reward."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import teach
+from conftest import serve_model, teach
 from transformers import AutoTokenizer
 
+from instar.agents.loading import load_agent, load_tasks
 from instar.agents.tool_parser import parse_hermes
-from instar.sample import read_jsonl
+from instar.rollout.runner import Rollouts
 from instar.tasks.tool_use_data import demo, tool_use_data
 from instar.tasks.tools import call_tool
 
@@ -43,19 +42,24 @@ def runs(mask: list[bool]) -> list[tuple[bool, int, int]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def taught_engine(ray_session, taught):
+    yield from serve_model(taught[0], max_model_len=1024)
+
+
 @pytest.mark.parametrize("agent", ["instar/tasks/tool_use.py", "examples/tool_use_openai.py"])
-def test_tool_use_through_instar_rollout(agent, taught, tmp_path):
+def test_tool_use_env_and_chat_agent(agent, taught, taught_engine):
     model, tasks, row = taught
-    done = subprocess.run(
-        [sys.executable, "-m", "instar.cli", "rollout", "--agent", agent, "--data.train",
-         str(tasks), "--model.path", str(model), "--rollout.group-size", "2",
-         "--rollout.max-tokens", "96", "--rollout.max-model-len", "1024",
-         "--rollout.temperature", "0.3", "--logging.root", str(tmp_path), "--logging.name", "run"],
-        capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    summary = json.loads(done.stdout[done.stdout.index("{"):])
-    assert summary["episodes"] == 8 and summary["failed"] == {}, summary
-    samples = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    tok = AutoTokenizer.from_pretrained(model)
+    rollouts = Rollouts(load_agent(agent), {}, [taught_engine], tok, model_name="taught",
+                        max_model_len=1024, limits={})
+    try:
+        batch = rollouts.run(load_tasks(str(tasks)), 2, {"temperature": 0.3, "max_tokens": 96},
+                             "rollout")
+    finally:
+        rollouts.close()
+    samples = batch.samples
+    assert len({s.rollout_id for s in samples}) == 8 and not batch.failed, batch.failed
     assert all(s.reward in (0.0, 1.0) for s in samples)
     (s,) = [s for s in samples if s.rollout_id == f"rollout-{row['id']}-0"]
     assert s.reward == 1.0 and s.info["tool_calls"] == 3, s.info

@@ -1,16 +1,15 @@
 """The FSDP2 trainer on the real stack: results do not depend on how a step is split over
-ranks and micro-batches; `instar sft` learns with assistant-only masks; every algorithm
-option runs end to end in `instar rl`; exported folders load in vLLM; the ranks keep freed
+ranks and micro-batches; `instar sft` learns with assistant-only masks; the algorithm
+options run end to end in `instar rl` (here and in tests/test_rl_cli.py, test_distill.py); exported folders load in vLLM; the ranks keep freed
 memory between steps."""
 
 import json
 import random
 import resource
-import subprocess
-import sys
 
 import pytest
 import ray
+from conftest import instar, serve_model, step_lines
 
 from instar.config import Config
 from instar.train.batch import Sequence
@@ -54,22 +53,11 @@ def test_a_step_is_the_same_on_1_or_2_ranks_and_1_or_4_micro_batches(ray_session
         assert max(abs(a - b) for x, y in zip(after0, after_k) for a, b in zip(x, y)) < 1e-4
 
 
-def instar(tmp_path, command, *flags, timeout=900):
-    out = subprocess.run([sys.executable, "-m", "instar.cli", command, *flags,
-                          "--logging.root", str(tmp_path), "--logging.name", "run",
-                          "--logging.no-progress"], capture_output=True, text=True,
-                         timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    run = tmp_path / "run"
-    return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_instar_sft_lowers_the_held_out_loss_and_exports_a_folder_vllm_loads(tmp_path,
                                                                             ray_session, tokenizer):
-    from conftest import serve_model
-
-    run, metrics = instar(tmp_path, "sft", "--train.steps", "30", "--eval.size", "16",
-                          "--data.prompts-per-step", "16", "--train.lr", "3e-3")
+    run = instar(tmp_path, "sft", "--train.steps", "30", "--eval.size", "16",
+                 "--data.prompts-per-step", "16", "--train.lr", "3e-3")
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval_loss_after"] < 0.8 * summary["eval_loss_before"]
     assert metrics[-1]["train/loss"] < metrics[0]["train/loss"]
@@ -86,29 +74,18 @@ COMMON = ["--train.steps", "2", "--train.warmup-sft-steps", "3", "--data.prompts
           "--rollout.group-size", "4", "--eval.size", "0", "--checkpoint.no-save-final"]
 
 
-def test_rl_with_a_critic_a_reference_off_policy_correction_and_gspo(tmp_path):
-    _, metrics = instar(tmp_path, "rl", *COMMON, "--algo.estimator", "gae",
-                        "--algo.kl-coef", "0.05", "--algo.is-mode", "truncate",
-                        "--algo.policy-loss", "gspo", "--algo.aggregation", "sequence",
-                        "--train.lr-warmup-steps", "1", "--train.lr-schedule", "cosine")
-    assert [m["step"] for m in metrics] == [1, 2]
-    for m in metrics:
+def test_rl_with_a_critic_a_reference_off_policy_correction_and_cispo(ray_session, tmp_path):
+    run = instar(tmp_path, "rl", *COMMON, "--algo.estimator", "gae",
+                 "--algo.kl-coef", "0.05", "--algo.is-mode", "truncate",
+                 "--algo.policy-loss", "cispo", "--train.lr-warmup-steps", "1",
+                 "--train.lr-schedule", "cosine")
+    metrics = step_lines(run)
+    assert sorted(metrics) == [1, 2]
+    for m in metrics.values():
         assert {"train/critic_loss", "train/kl", "train/is_filtered"} <= m.keys()
         assert m.get("invariants/abs_logprob_diff", 0.0) < 1e-4  # (lag-0 tokens only)
         assert m["train/is_filtered"] == 0.0
-    assert metrics[0]["train/lr"] == 1e-3 and metrics[1]["train/lr"] == pytest.approx(1e-4)
-
-
-def test_on_policy_distillation_against_a_teacher(tmp_path):
-    from instar.tasks.tiny_model import builtin_model
-
-    teacher = builtin_model("dense", "tiny", 1)
-    _, metrics = instar(tmp_path, "rl", *COMMON, "--algo.estimator", "on_policy_distill",
-                        "--algo.teacher", str(teacher), "--algo.kl-coef", "0.1",
-                        "--algo.kl-in-reward", "--algo.policy-loss", "cispo")
-    assert [m["step"] for m in metrics] == [1, 2]
-    for m in metrics:  # a random teacher: the student's tokens are far less likely under it
-        assert m["train/teacher_kl"] > 0.1
+    assert metrics[1]["train/lr"] == 1e-3 and metrics[2]["train/lr"] == pytest.approx(1e-4)
 
 
 def test_resume_from_a_checkpoint_continues_with_identical_losses(ray_session, tiny_model,
@@ -132,13 +109,14 @@ def test_resume_from_a_checkpoint_continues_with_identical_losses(ray_session, t
         resumed.shutdown()
 
 
-def test_instar_rl_resumes_from_its_last_checkpoint(tmp_path):
+def test_instar_rl_resumes_from_its_last_checkpoint(ray_session, tmp_path):
     flags = [*COMMON, "--checkpoint.every", "1", "--checkpoint.keep", "1"]
-    instar(tmp_path, "rl", *flags)
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+    run = instar(tmp_path, "rl", *flags)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "latest", "step-00000002"]
     flags[1] = "3"  # --train.steps 3
-    run, metrics = instar(tmp_path, "rl", *flags, "--checkpoint.resume")
+    instar(tmp_path, "rl", *flags, "--checkpoint.resume")
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]  # the first run's two, then one more
     assert json.loads((run / "summary.json").read_text())["reward_last_step"] == metrics[-1][
         "rollout/reward"]

@@ -193,7 +193,7 @@ class Engine:
             await self.resume(version)
 
     # GPU transports: vLLM's weight-transfer engine, driven from the trainer's side (see
-    # TrainWorker.connect); these four are the calls its Ray client makes.
+    # Rank.connect in instar/train/rank.py); these four are the calls its Ray client makes.
     async def init_weight_transfer_engine(self, request) -> None:
         await self.llm.init_weight_transfer_engine(request)
 

@@ -19,6 +19,12 @@ def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | N
                   gpu_memory_utilization=r.gpu_memory, **options)
 
 
+def sampling(cfg: Config) -> dict:
+    """The sampling settings of the run's episodes."""
+    r = cfg.rollout
+    return {"temperature": r.temperature, "max_tokens": r.max_tokens, "ignore_eos": r.ignore_eos}
+
+
 def make_rollouts(cfg: Config, agent_cls: type, engines: list, tokenizer,
                   model_path: Path) -> Rollouts:
     """The agent's episodes on `engines`, with the run's limits and failure policy; a frozen
