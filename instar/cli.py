@@ -58,7 +58,7 @@ def parse(command: str, argv: list[str], description: str) -> tuple[Config, bool
                       "from a YAML recipe), --print-config (print and exit).")
     cfg = dataclasses.replace(cfg, **{s: getattr(parsed, s) for s in sections})
     try:
-        cfg.validate()
+        cfg.validate(rl=command == "rl")
     except ValueError as e:
         sys.exit(f"instar {command}: config error: {e}")
     if known.print_config:

@@ -318,19 +318,21 @@ class Config:
         """Rollouts per step."""
         return self.data.prompts_per_step * self.rollout.group_size
 
-    def validate(self) -> "Config":
+    def validate(self, rl: bool = True) -> "Config":
         """Refuse out-of-range, contradictory or silently ignored settings; each message names
-        the flag to change."""
-        self._check_ranges()
+        the flag to change. `rl`: the settings are for RL training (a group needs two samples
+        for a baseline; `instar rollout` and `instar eval` may take one)."""
+        self._check_ranges(rl)
         self._check_combinations()
         self._check_ignored()
         return self
 
-    def _check_ranges(self) -> None:
+    def _check_ranges(self, rl: bool) -> None:
         r, t, e, c, a = self.rollout, self.train, self.eval, self.checkpoint, self.algo
-        if r.group_size < 2:
-            raise ValueError("--rollout.group-size must be at least 2: GRPO's baseline is the "
-                             "group mean, so a group of one has no learning signal")
+        if r.group_size < 1 or (rl and r.group_size < 2):
+            raise ValueError("--rollout.group-size must be at least 2 for RL (GRPO's baseline "
+                             "is the group mean, so a group of one has no learning signal); at "
+                             "least 1 otherwise")
         if r.temperature <= 0 or e.temperature <= 0:
             raise ValueError("--rollout.temperature and --eval.temperature must be > 0: "
                              "greedy decoding has no behaviour log-probs to train with")

@@ -235,6 +235,14 @@ def test_cli_config_error_is_a_clear_message():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("command", ["eval", "rollout"])
+def test_one_episode_per_task_is_fine_without_training(command):
+    cfg, _ = parse(command, ["--rollout.group-size", "1"], "")
+    assert cfg.rollout.group_size == 1
+    with pytest.raises(SystemExit):
+        parse(command, ["--rollout.group-size", "0"], "")
+
+
 @pytest.mark.parametrize("command", ["rl", "eval", "rollout"])
 def test_agent_shorthand_flag(command):
     cfg, _ = parse(command, ["--agent", "examples/calculator_env.py"], "")
