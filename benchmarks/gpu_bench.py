@@ -122,14 +122,14 @@ def run(name: str, smoke: bool, root: Path, overrides: dict, peak: float) -> dic
     return result
 
 
-def main():
+def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=list(RUNS))
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, short runs: checks "
                    "the script, measures nothing")
     p.add_argument("--out", default="", help="default: benchmarks/results/gpu_bench.json "
                    "(--smoke: a temporary folder)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="gpu-bench-"))
     if args.smoke:
         from trainer import matmul_peak
@@ -139,7 +139,7 @@ def main():
                      "rollout": {"max_staleness": 0, "placement": "colocated", "gpu_memory": 0.4}}
         peak = gpu_peak()
     results = {}
-    with ray_for(""):  # one Ray for every workload
+    with ray_for(""):  # one Ray for every workload (a caller's, if it has one)
         for name in args.only or list(RUNS):
             results[name] = run(name, args.smoke, root, overrides, peak)
     device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()

@@ -41,8 +41,29 @@ def serve_model(path, max_model_len: int = 512):
 
 
 @pytest.fixture(scope="session")
-def engine(ray_session, tiny_model):
-    yield from serve_model(tiny_model)
+def engines(ray_session, tiny_model):
+    """Two engines on the tiny model for the whole session (each start costs ~30 s here):
+    `engine` is the first; the router and partial-rollout tests use both, and put back the
+    base weights, version 0 and partial rollout when they are done."""
+    from instar.rollout.engine import launch, stop_engines
+
+    pair = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=1024,
+                  kv_cache_gb=1, threads=1, seed=0, count=2)
+    yield pair
+    stop_engines(pair)
+
+
+@pytest.fixture(scope="session")
+def engine(engines):
+    return engines[0]
+
+
+def restore(engine, tiny_model) -> None:
+    """Put `engine` back as the session started it: base weights, version 0, partial rollout."""
+    import ray
+
+    ray.get(engine.__ray_call__.remote(lambda e: setattr(e, "partial", True)))
+    ray.get(engine.load_weights.remote([str(tiny_model / "model.safetensors")], 0))
 
 
 TOOL_CONVERSATION = [

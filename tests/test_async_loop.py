@@ -1,9 +1,10 @@
 """The asynchronous loop survives what kills processes, as whole `instar rl` runs: an engine
 killed mid-run is restarted and given the current weights while training goes on, and a run
 killed mid-step (driver, Ray and actors) resumes from its checkpoint and trains on exactly the
-prompts, step by step, of the run that was never interrupted. (Bounded staleness:
-tests/test_stream.py and tests/test_rl_cli.py.)"""
+prompts, step by step, of the run that was never interrupted, keeping only its newest
+checkpoint. (Bounded staleness: tests/test_stream.py and tests/test_rl_cli.py.)"""
 
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.stack
 FLAGS = ["--train.warmup-sft-steps", "0", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "4",
          "--eval.size", "0", "--checkpoint.no-save-final", "--logging.no-progress",
-         "--train.steps", "5", "--checkpoint.every", "2", "--rollout.max-staleness", "1"]
+         "--train.steps", "5", "--checkpoint.every", "2", "--checkpoint.keep", "1",
+         "--rollout.max-staleness", "1"]
 
 
 def start(root: Path, name: str, *flags) -> subprocess.Popen:
@@ -78,3 +80,7 @@ def test_an_engine_killed_mid_run_and_a_run_killed_mid_step_change_no_prompt(tmp
     resumed = step_lines(tmp_path / "cut")
     assert sorted(resumed) == [1, 2, 3, 4, 5]
     assert [resumed[s]["prompts"] for s in resumed] == [metrics[s]["prompts"] for s in metrics]
+    cut = tmp_path / "cut"
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["latest", "step-00000004"]
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["reward_last_step"] == resumed[5]["rollout/reward"]

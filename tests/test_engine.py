@@ -54,7 +54,7 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
                          [0.0] * (len(p) + len(g.token_ids))) for p, g in before]
         trainer.step(seqs, "sft", lr=1e-2)
         probe = prompt_ids(tokenizer, PROMPTS[1])
-        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4)() < 1e-4
+        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4)[1].result() < 1e-4
         path = tmp_path / "policy.safetensors"
         trainer.save_weights(str(path))  # the full weights, to compare with transformers
 
@@ -91,22 +91,6 @@ def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, t
         trainer.shutdown()
 
 
-def test_tiny_moe_model_loads_in_vllm_with_matching_logprobs(ray_session, tokenizer):
-    from instar.rollout.engine import launch
-    from instar.tasks.tiny_model import builtin_model
-
-    path = builtin_model("moe", "tiny", 0)
-    (engine,) = launch(str(path), device="cpu", dtype="float32", max_model_len=256,
-                       kv_cache_gb=1, threads=1, seed=0)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        for prompt, gen in generate_all(engine, tokenizer):
-            diff = (hf_logprobs(model, prompt, gen, 0.8) - torch.tensor(gen.logprobs)).abs().max()
-            assert diff < 1e-4, diff
-    finally:
-        ray.get(engine.shutdown.remote())
-
-
 def test_frozen_tensors_are_not_resent_and_the_sync_still_verifies(engine, tokenizer, tiny_model,
                                                                    tmp_path):
     from safetensors import safe_open
@@ -119,7 +103,7 @@ def test_frozen_tensors_are_not_resent_and_the_sync_still_verifies(engine, token
                          [0.0] * (len(p) + len(g.token_ids))) for p, g in generate_all(engine, tokenizer)]
         trainer.step(seqs, "sft", lr=1e-2)
         probe = prompt_ids(tokenizer, PROMPTS[0])
-        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4)() < 1e-4
+        assert sync_weights(trainer, [engine], str(tmp_path), 1, probe, tol=1e-4)[1].result() < 1e-4
         sent = set()
         for f in tmp_path.glob("rank-*.safetensors"):
             with safe_open(str(f), "pt") as shard_file:

@@ -31,7 +31,7 @@ class TwoTurns(Env):
 
 
 def episode(engine, tokenizer, env, sampling=SAMPLING):
-    generate = lambda ids, s, images: engine.generate.remote(ids, s, None, 0, images)  # noqa: E731
+    generate = lambda ids, s, images: engine.generate.remote(ids, s, 0, images)  # noqa: E731
     return asyncio.run(run_env_episode(env, Task(prompt="hi"), generate, tokenizer,
                                        sampling, "r", "g"))
 

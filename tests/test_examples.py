@@ -1,13 +1,12 @@
 """Each example runs on the model taught to use the calculator (conftest), so tool calls are
-real: one through `instar rollout`, the way a user runs it, the others on the tests' shared
-engine."""
+real: one through `instar rollout` (its command in this process), the others on the tests'
+shared engine."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import instar
 
 from instar.agents.loading import load_agent, load_tasks
 from instar.rollout.runner import Rollouts
@@ -32,21 +31,15 @@ def check(name: str, samples: list, failed: dict) -> None:
         assert len(first) == 1 and first[0].reward == 1.0, first[0].info
 
 
-def test_instar_rollout_runs_an_example_as_a_user_does(tool_model, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "instar.cli", "rollout", "--agent",
-         str(EXAMPLES / "calculator_anthropic.py"), "--data.train", str(CALCULATOR),
-         "--model.path", str(tool_model), "--rollout.group-size", "2",
-         "--rollout.max-tokens", str(SAMPLING["max_tokens"]), "--rollout.max-model-len", "512",
-         "--rollout.temperature", str(SAMPLING["temperature"]),
-         "--logging.root", str(tmp_path), "--logging.name", "run"],
-        capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    summary = json.loads(done.stdout[done.stdout.index("{"):])
-    assert summary == json.loads((tmp_path / "run" / "summary.json").read_text())
+def test_instar_rollout_runs_an_example_as_a_user_does(tool_model, ray_session, tmp_path):
+    run = instar(tmp_path, "rollout", "--agent", str(EXAMPLES / "calculator_anthropic.py"),
+                 "--data.train", str(CALCULATOR), "--model.path", str(tool_model),
+                 "--rollout.group-size", "2", "--rollout.max-tokens", str(SAMPLING["max_tokens"]),
+                 "--rollout.max-model-len", "512",
+                 "--rollout.temperature", str(SAMPLING["temperature"]))
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["episodes"] == 16, summary
-    check("calculator_anthropic", read_jsonl(tmp_path / "run" / "rollouts.jsonl"),
-          summary["failed"])
+    check("calculator_anthropic", read_jsonl(run / "rollouts.jsonl"), summary["failed"])
 
 
 @pytest.mark.parametrize("name", ["calculator_env", "tool_use_openai", "compacting_agent"])

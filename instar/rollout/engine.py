@@ -66,6 +66,10 @@ class Engine:
         # The model runs in the engine-core process: a separate worker process would busy-poll
         # shared memory for a second after each step, taking a core from the trainer on a CPU
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM's AOT compile cache fails to load with this torch ("'function' object has no
+        # attribute 'finalize_loading'"), so every start compiled the model again (~10 s on a
+        # CPU); its Inductor cache loads
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if transport == "ipc":  # CUDA IPC handles cross into the engine process pickled
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if capture_routing:  # vLLM returns routed experts from its V2 runner only (GPU)
