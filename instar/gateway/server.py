@@ -17,6 +17,7 @@ leaves the session's recorded tokens unchanged.
 
 import asyncio
 import json
+import logging
 import secrets
 import socket
 import threading
@@ -32,6 +33,7 @@ from instar.errors import EpisodeError, Requeue
 from instar.gateway.session import Session
 from instar.gateway.wire import AnthropicWire, OpenAIWire, WireError, bad_request, make_reply
 
+log = logging.getLogger(__name__)
 RESTARTED = "a weight update stopped this episode; instar restarts it from the beginning"
 
 
@@ -47,7 +49,8 @@ class Gateway:
         self.api_key = "sk-instar-" + secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}
         self.locks: dict[str, asyncio.Lock] = {}
-        self.app = FastAPI(title="instar gateway")
+        self.app = FastAPI(title="instar gateway", docs_url=None, redoc_url=None,
+                           openapi_url=None)  # (they would answer without the key)
         self.app.post("/s/{sid}/v1/chat/completions")(self._route(OpenAIWire))
         self.app.post("/s/{sid}/v1/messages")(self._route(AnthropicWire))
         self.app.exception_handler(StarletteHTTPException)(self._http_error)
@@ -139,7 +142,9 @@ class Gateway:
             raise bad_request(f"this episode failed: {session.failed}", "episode_failed")
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError as e:
+            raise bad_request("malformed JSON body: nested too deeply") from e
+        except ValueError as e:  # (JSON, UTF-8, or an integer with too many digits)
             raise bad_request(f"malformed JSON body: {e}") from e
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
@@ -181,8 +186,10 @@ class Gateway:
                 except EpisodeError as e:  # not the agent's doing: the rollout fails as such
                     session.failed = e
                     raise bad_request(f"this episode failed: {e}", "episode_failed") from e
-                except Exception as e:
-                    raise WireError(503, "api_error", f"the engine failed: {e}") from e
+                except Exception as e:  # (its text may hold paths, pids, addresses: logged)
+                    log.warning("engine call failed", exc_info=e)
+                    raise WireError(503, "api_error",
+                                    f"the engine failed ({type(e).__name__})") from e
                 reply = make_reply(gen, req.parse_tools, len(turn.prompt_ids))
                 session.record(turn, req.messages, req.tools, gen, reply.message, reply)
         if req.stream:

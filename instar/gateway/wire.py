@@ -81,14 +81,33 @@ def _number(body: dict, name: str, lo: float, hi: float) -> dict:
     return {name: float(value)}
 
 
-def _stop_list(stop) -> list[str]:
+MAX_TOKENS_LIMIT = 1 << 31
+
+
+def _max_tokens(value, name: str = "max_tokens") -> int | None:
+    """A positive integer, strictly: JSON `true` is not 1 (Python's bool is an int)."""
+    if value is None:
+        return None
+    if type(value) is not int or not 1 <= value < MAX_TOKENS_LIMIT:
+        raise bad_request(f"'{name}' must be a positive integer below {MAX_TOKENS_LIMIT}, "
+                          f"got {json.dumps(value)[:40]}")
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise bad_request(f"'{name}' must be true or false, got {json.dumps(value)[:40]}")
+
+
+def _stop_list(stop, name: str = "stop") -> list[str]:
     if stop is None:
         return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise bad_request("'stop' must be a string or a list of strings")
+    stops = [stop] if isinstance(stop, str) else stop
+    if isinstance(stops, list) and all(isinstance(s, str) and s for s in stops):
+        return stops
+    raise bad_request(f"'{name}' must be a non-empty string or a list of non-empty strings")
 
 
 def _image(url: Any) -> dict:
@@ -135,13 +154,14 @@ class OpenAIWire:
         msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"],
                  **({"content": _openai_parts(m["content"])} if "content" in m else {})}
                 for m in messages]
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise bad_request("'max_tokens' must be a positive integer")
-        return Request(msgs, tools, max_tokens, bool(body.get("stream")), _stop_list(body.get("stop")),
+        max_tokens = _max_tokens(body.get("max_completion_tokens", body.get("max_tokens")))
+        options = body.get("stream_options")
+        options = {} if options is None else options
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object")
+        return Request(msgs, tools, max_tokens, _flag(body, "stream"), _stop_list(body.get("stop")),
                        {**_number(body, "temperature", 0, 2), **_number(body, "top_p", 0, 1)},
-                       parse_tools=choice != "none",
-                       include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+                       parse_tools=choice != "none", include_usage=_flag(options, "include_usage"))
 
     @staticmethod
     def _calls(reply: Reply) -> list[dict]:
@@ -226,8 +246,9 @@ class AnthropicWire:
         messages, max_tokens = body.get("messages"), body.get("max_tokens")
         if not isinstance(messages, list) or not messages:
             raise bad_request("messages: field required (a non-empty list)")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if max_tokens is None:
             raise bad_request("max_tokens: field required (a positive integer)")
+        _max_tokens(max_tokens)
         choice = (body.get("tool_choice") or {"type": "auto"}).get("type")
         if choice not in ("auto", "none"):
             raise bad_request(f"tool_choice type {choice!r} is not supported; use 'auto' or 'none'")
@@ -261,8 +282,8 @@ class AnthropicWire:
                                                    "description": t.get("description", ""),
                                                    "parameters": t.get("input_schema", {})}}
                  for t in body.get("tools") or []] or None
-        return Request(out, tools, max_tokens, bool(body.get("stream")),
-                       _stop_list(body.get("stop_sequences")),
+        return Request(out, tools, max_tokens, _flag(body, "stream"),
+                       _stop_list(body.get("stop_sequences"), "stop_sequences"),
                        {**_number(body, "temperature", 0, 1), **_number(body, "top_p", 0, 1),
                         **_number(body, "top_k", 0, 1e9)},
                        parse_tools=choice != "none")
