@@ -168,8 +168,13 @@ def test_a_retried_request_is_answered_again_but_recorded_once(gateway):
     a = client.chat.completions.create(model="tiny", messages=messages, tools=[CALCULATOR])
     b = client.chat.completions.create(model="tiny", messages=messages, tools=[CALCULATOR])
     assert a.choices[0].message == b.choices[0].message
+    assert gateway.sessions[sid].turns == 1 and len(gateway.recorder.outputs) == 1
+    # the same messages with another max_tokens are another request: generated anew
+    c = client.chat.completions.create(model="tiny", messages=messages, tools=[CALCULATOR],
+                                       max_tokens=3)
+    assert c.usage.completion_tokens <= 3
     captured = gateway.close_session(sid)
-    assert captured.turns == 1 and len(gateway.recorder.outputs) == 1
+    assert captured.turns == 2 and len(gateway.recorder.outputs) == 2
 
 
 def test_bad_input_gets_the_wire_error_shape_and_changes_nothing(gateway):

@@ -85,7 +85,7 @@ def test_policy_judge(agent_cls, judge_engine, tokenizer):
 def test_frozen_judge_through_instar_rl(judge_model, ray_session, tmp_path):
     """`--agent.judge DIR`: a frozen model on an engine of its own, wired by `instar rl`."""
     run = instar(tmp_path, "rl", "--agent", EXAMPLE, "--agent.judge", str(judge_model),
-                 "--data.train", DATA, "--data.eval", DATA, "--eval.size", "2",
+                 "--data.train", DATA, "--eval.size", "0",
                  "--train.steps", "1", "--train.warmup-sft-steps", "0",
                  "--data.prompts-per-step", "4", "--rollout.group-size", "2",
                  "--rollout.max-tokens", "8")

@@ -157,7 +157,8 @@ class Gateway:
         self._check_sampling(req, session.sampling)
         async with self.locks.setdefault(sid, asyncio.Lock()):
             try:
-                turn = session.plan(req.messages, req.tools)
+                turn = session.plan(req.messages, req.tools,
+                                    [req.max_tokens, req.stop, req.parse_tools])
             except Exception as e:  # the template could not render these messages
                 raise bad_request(f"cannot render these messages: {e}") from e
             if turn.images and not self.vision:

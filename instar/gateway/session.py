@@ -70,9 +70,11 @@ class Session:
         self.last_key, self.last_reply = "", None
         self.ended_with_eos, self.finish_reason, self.turns = True, "stop", 0
 
-    def plan(self, messages: list[Message], tools: list[dict] | None) -> Turn:
+    def plan(self, messages: list[Message], tools: list[dict] | None, options: Any = None) -> Turn:
+        """`options`: the request's other fields that shape the reply (max_tokens, stop): a
+        retry is answered from the cache only if they are the same too."""
         msgs = [canonical(m) for m in messages]
-        key = json.dumps([msgs, tools], sort_keys=True)
+        key = json.dumps([msgs, tools, options], sort_keys=True)
         images = [p["image"] for m in msgs if isinstance(m["content"], list) for p in m["content"]
                   if p["type"] == "image"]
         if not self.segments:
