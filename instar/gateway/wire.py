@@ -84,12 +84,12 @@ def _number(body: dict, name: str, lo: float, hi: float) -> dict:
 MAX_TOKENS_LIMIT = 1 << 31
 
 
-def _max_tokens(value, name: str = "max_tokens") -> int | None:
+def _max_tokens(value) -> int | None:
     """A positive integer, strictly: JSON `true` is not 1 (Python's bool is an int)."""
     if value is None:
         return None
     if type(value) is not int or not 1 <= value < MAX_TOKENS_LIMIT:
-        raise bad_request(f"'{name}' must be a positive integer below {MAX_TOKENS_LIMIT}, "
+        raise bad_request(f"'max_tokens' must be a positive integer below {MAX_TOKENS_LIMIT}, "
                           f"got {json.dumps(value)[:40]}")
     return value
 
