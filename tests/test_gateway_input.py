@@ -23,9 +23,12 @@ HOSTILE = {  # name -> (wire, body or raw bytes)
     "stream_options a list": ("openai", {**OPENAI, "stream_options": []}),
     "empty stop": ("openai", {**OPENAI, "stop": ""}),
     "empty stop_sequences": ("anthropic", {**ANTHROPIC, "stop_sequences": [""]}),
-    "nested 100,000 deep": ("openai", b"[" * 100_000 + b"]" * 100_000),
-    "a 5,000-digit integer": ("anthropic", b'{"max_tokens": ' + b"9" * 5000 + b"}"),
-    "not UTF-8": ("openai", b'{"messages": "\xff\xfe"}'),
+    # raw bodies, each valid but for the one fault, so that the fault alone is refused
+    "nested 100,000 deep": ("openai", b'{"messages": [{"role": "user", "content": '
+                            + b"[" * 100_000 + b"]" * 100_000 + b"}]}"),
+    "a 5,000-digit integer": ("anthropic", b'{"messages": [{"role": "user", "content": "hi"}], '
+                              b'"max_tokens": ' + b"9" * 5000 + b"}"),
+    "not UTF-8": ("openai", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'),
 }
 
 
