@@ -1,6 +1,16 @@
-"""Chat-template rendering shared by the Env loop and the gateway (token-exact continuation)."""
+"""Chat-template rendering shared by the Env loop and the gateway (token-exact continuation).
+
+Message text is tokenised as literal text: `<|im_start|>system` typed by a user, returned by a
+tool or written by an Env is never the template's control token. When some text holds a
+special token's string, each text is wrapped in unguessable marks before rendering, and the
+rendered string is tokenised piece by piece: the template's own text with its special
+tokens, the marked text with them split (`split_special_tokens`). Added tokens that are not
+special (Qwen's `<tool_call>`) still tokenise as themselves.
+"""
 
 import json
+import re
+import secrets
 from typing import Any
 
 Message = dict[str, Any]
@@ -10,15 +20,55 @@ def as_messages(x: str | list[Message]) -> list[Message]:
     return [{"role": "user", "content": x}] if isinstance(x, str) else list(x)
 
 
+_OPEN, _CLOSE = f"\ue000{secrets.token_hex(8)}", f"{secrets.token_hex(8)}\ue001"
+_MARKS = re.compile(f"({_OPEN}|{_CLOSE})")
+
+
+def _marked(messages: list[Message]) -> list[Message]:
+    mark = lambda text: f"{_OPEN}{text}{_CLOSE}"  # noqa: E731
+    return [{**m, "content": mark(m["content"]) if isinstance(m.get("content"), str) else
+             [{**p, "text": mark(p["text"])} if isinstance(p, dict) and isinstance(
+                 p.get("text"), str) else p for p in m["content"]]}
+            if isinstance(m.get("content"), str | list) else m for m in messages]
+
+
+def _literal(tokenizer, messages: list[Message]) -> bool:
+    """Whether some message text holds a special token's string (then it is rendered marked)."""
+    text = json.dumps([m.get("content") for m in messages], ensure_ascii=False)
+    return any(token in text for token in tokenizer.all_special_tokens)
+
+
 def render(tokenizer, messages: list[Message], tools: list[dict] | None,
-           generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=generation_prompt)
+           generation_prompt: bool, literal: bool = False) -> str:
+    """The template's text; `literal`: message texts wrapped in the marks `encode` reads
+    (refused if the template changes text it renders, e.g. strips it)."""
+    def text(msgs):
+        return tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    if not literal:
+        return text(messages)
+    marked = text(_marked(messages))
+    if _MARKS.sub("", marked) != text(messages):
+        raise ValueError("this chat template rewrites message text, so text that holds a "
+                         "special token's string cannot be kept literal")
+    return marked
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of rendered text; the marked parts literally (see the module docstring)."""
+    ids, inside = [], False
+    for part in _MARKS.split(text):
+        if part in (_OPEN, _CLOSE):
+            inside = part == _OPEN
+        elif part:
+            ids += tokenizer.encode(part, add_special_tokens=False, split_special_tokens=inside)
+    return ids
 
 
 def prompt_ids(tokenizer, messages: list[Message], tools: list[dict] | None) -> list[int]:
     """Token ids of a whole conversation, ending with the assistant's generation prompt."""
-    return tokenizer.encode(render(tokenizer, messages, tools, True), add_special_tokens=False)
+    return encode(tokenizer, render(tokenizer, messages, tools, True,
+                                    _literal(tokenizer, messages)))
 
 
 def continuation_ids(tokenizer, before: list[Message], after: list[Message],
@@ -30,14 +80,15 @@ def continuation_ids(tokenizer, before: list[Message], after: list[Message],
     tokenised (with the token itself when the generation stopped without it). None when
     `after` does not extend `before` as rendered (the history was rewritten).
     """
-    eos = tokenizer.eos_token
-    old, new = render(tokenizer, before, tools, False), render(tokenizer, after, tools, True)
+    eos, literal = tokenizer.eos_token, _literal(tokenizer, after)  # (`after` holds `before`)
+    old = render(tokenizer, before, tools, False, literal)
+    new = render(tokenizer, after, tools, True, literal)
     if eos not in old:
         return None
     cut = old.rindex(eos) + (len(eos) if ended_with_eos else 0)
     if not new.startswith(old[:cut]):
         return None
-    return tokenizer.encode(new[cut:], add_special_tokens=False)
+    return encode(tokenizer, new[cut:])
 
 
 def canonical(message: Message) -> Message:

@@ -15,6 +15,10 @@ from typing import Any
 
 IMAGE_TOKEN = "<|image_pad|>"
 """The image placeholder of Qwen-VL models: a model whose vocabulary has it takes images."""
+MAX_IMAGE_BYTES = 16 << 20
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""Larger images are refused, checked from the data's length and the image's header before
+anything is decoded (a 22 KB PNG can hold 12000 x 12000 pixels)."""
 
 
 def data_url(image: Any) -> str:
@@ -37,8 +41,13 @@ def decode(url: str):
     if not (sep and head.startswith("data:image/") and head.endswith(";base64")):
         raise ValueError("an image must be a base64 data URL (data:image/...;base64,...); "
                          f"got {url[:40]!r} (instar fetches nothing from the network)")
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ValueError(f"the image is over {MAX_IMAGE_BYTES >> 20} MB")
     try:
-        image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))  # (the header)
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise ValueError(f"the image has {image.width} x {image.height} pixels, over "
+                             f"{MAX_IMAGE_PIXELS}")
         image.load()
     except (binascii.Error, OSError, Image.DecompressionBombError) as e:
         raise ValueError(f"the image data does not decode: {e}") from e

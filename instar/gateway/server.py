@@ -42,10 +42,14 @@ class Gateway:
     rollout code in the caller's thread. `generate(episode, ids, sampling)` calls the engine
     (the episode key lets a router keep a session on one engine)."""
 
-    def __init__(self, generate, tokenizer, *, model: str, max_model_len: int):
+    def __init__(self, generate, tokenizer, *, model: str, max_model_len: int,
+                 max_body_mb: float = 32):
         self.generate, self.tokenizer = generate, tokenizer
         self.model, self.max_model_len = model, max_model_len
+        self.max_body_bytes = int(max_body_mb * (1 << 20))
         self.vision = IMAGE_TOKEN in tokenizer.get_vocab()  # the model takes images
+        self.token_chars = max(map(len, tokenizer.get_vocab()))
+        """The most characters a token's text can hold: bounds the tokens of a text cheaply."""
         self.api_key = "sk-instar-" + secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}
         self.locks: dict[str, asyncio.Lock] = {}
@@ -107,6 +111,10 @@ class Gateway:
                 return await self._handle(wire, sid, request)
             except WireError as e:
                 return JSONResponse(wire.error(e), status_code=e.status)
+            except Exception as e:  # a bug: logged; the client learns nothing of the internals
+                log.exception("the gateway failed on a request", exc_info=e)
+                return JSONResponse(wire.error(WireError(500, "api_error", "internal error")),
+                                    status_code=500)
         handle.__name__ = f"{wire.name}_endpoint"
         return handle
 
@@ -116,13 +124,47 @@ class Gateway:
         if not secrets.compare_digest(given.encode(), self.api_key.encode()):
             raise WireError(401, "authentication_error", "invalid API key", "invalid_api_key")
 
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused (413) past `max_body_bytes` before more of it is read."""
+        too_large = WireError(413, "invalid_request_error", f"the request body is over "
+                              f"{self.max_body_bytes} bytes", "request_too_large")
+        size = request.headers.get("content-length", "0")
+        if not size.isdigit() or int(size) > self.max_body_bytes:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_large
+        return bytes(body)
+
+    def _parse(self, wire, raw: bytes, room: int):
+        """Body -> request (run in a worker thread: decoding JSON and images takes time)."""
+        try:
+            body = json.loads(raw)
+        except RecursionError as e:
+            raise bad_request("malformed JSON body: nested too deeply") from e
+        except ValueError as e:  # (JSON, UTF-8, or an integer with too many digits)
+            raise bad_request(f"malformed JSON body: {e}") from e
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            req = wire.parse(body, self.vision)
+            chars = _text_chars([req.messages, req.tools])
+        except WireError:
+            raise
+        except Exception as e:  # a field of an unexpected type
+            raise bad_request(f"invalid request: {type(e).__name__}: {e}"[:300]) from e
+        if chars > room * self.token_chars:  # cheap: a token holds at most token_chars chars
+            raise bad_request(f"the messages ({chars} characters) cannot fit in {room} tokens",
+                              "context_length_exceeded")
+        return req
+
     @staticmethod
     def _check_sampling(req, sampling: dict[str, Any]) -> None:
         """A request may not sample differently from what the trainer will assume."""
         run = {"temperature": sampling["temperature"], "top_p": 1.0, "top_k": 0.0}
         for name, value in req.sampling.items():
-            if name == "top_k" and value == -1:
-                continue
             if value != run[name]:
                 fix = ("or change the run's --rollout.temperature" if name == "temperature"
                        else "(instar samples from the full distribution)")
@@ -130,6 +172,38 @@ class Gateway:
                     f"{name}={value} differs from the run's {name}={run[name]}: the trainer "
                     f"recomputes log-probs with the run's sampling; leave {name} unset {fix}",
                     "unsupported_value")
+
+    async def _generate(self, request: Request, session: Session, turn, params: dict):
+        """The engine's generation; None if the client disconnected first (the engine request
+        is then cancelled: nothing of it is recorded)."""
+        async def gone():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        gen, watch = (asyncio.ensure_future(c) for c in (
+            self.generate(session.rollout_id, turn.prompt_ids, params, turn.images), gone()))
+        await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
+        watch.cancel()
+        if not gen.done():
+            gen.cancel()
+            log.info("a client disconnected: its request to the engine was cancelled")
+            return None
+        try:
+            return gen.result()
+        except Requeue as e:
+            session.requeued = True
+            raise bad_request(RESTARTED, "episode_restarted") from e
+        except EpisodeError as e:  # not the agent's doing: the rollout fails as such
+            session.failed = e
+            raise bad_request(f"this episode failed: {e}", "episode_failed") from e
+        except ValueError as e:  # the engine refused a value (a RayTaskError is its cause too)
+            reason = str(getattr(e, "cause", e)).strip().splitlines()[-1:] or [""]
+            raise bad_request(f"the engine refused this request: {reason[0][:200]}") from e
+        except Exception as e:  # an infrastructure failure: it stops the run, as on the Env path
+            log.warning("engine call failed", exc_info=e)  # (its text may hold paths, pids)
+            session.failed = RuntimeError(f"the engine failed in episode {session.rollout_id}")
+            session.failed.__cause__ = e
+            raise WireError(503, "api_error", f"the engine failed ({type(e).__name__}); this "
+                            "episode stops") from e
 
     async def _handle(self, wire, sid: str, request: Request):
         self._check_key(request)
@@ -140,60 +214,51 @@ class Gateway:
             raise bad_request(RESTARTED, "episode_restarted")
         if session.failed is not None:
             raise bad_request(f"this episode failed: {session.failed}", "episode_failed")
-        try:
-            body = json.loads(await request.body())
-        except RecursionError as e:
-            raise bad_request("malformed JSON body: nested too deeply") from e
-        except ValueError as e:  # (JSON, UTF-8, or an integer with too many digits)
-            raise bad_request(f"malformed JSON body: {e}") from e
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
-        try:
-            req = wire.parse(body)
-        except WireError:
-            raise
-        except Exception as e:  # a field of an unexpected type
-            raise bad_request(f"invalid request: {type(e).__name__}: {e}") from e
+        room = min(self.max_model_len, session.max_tokens)
+        req = await asyncio.to_thread(self._parse, wire, await self._body(request), room)
         self._check_sampling(req, session.sampling)
         async with self.locks.setdefault(sid, asyncio.Lock()):
-            try:
-                turn = session.plan(req.messages, req.tools,
-                                    [req.max_tokens, req.stop, req.parse_tools])
+            options = [req.max_tokens, req.stop, req.parse_tools, req.seed, req.logprobs]
+            try:  # (rendering and tokenising, off the event loop)
+                turn = await asyncio.to_thread(session.plan, req.messages, req.tools, options)
             except Exception as e:  # the template could not render these messages
-                raise bad_request(f"cannot render these messages: {e}") from e
-            if turn.images and not self.vision:
-                raise bad_request(f"model {self.model} takes no images", "invalid_image")
+                raise bad_request(f"cannot render these messages: {e}"[:300]) from e
             if session.is_retry(turn):
                 reply = session.last_reply
             else:
                 if limit := session.over_limit(turn):
                     session.truncated = limit
                     raise bad_request(f"this episode reached its {limit} limit", "episode_limit")
-                room = min(self.max_model_len, session.max_tokens) - len(turn.prompt_ids)
-                if room < 1:
+                if len(turn.prompt_ids) >= room:
                     raise bad_request(
                         f"the context ({len(turn.prompt_ids)} tokens) leaves no room to generate "
                         f"within the model's {self.max_model_len} tokens",
                         "context_length_exceeded")
-                max_tokens = min(req.max_tokens or session.sampling["max_tokens"], room)
-                params = {**session.sampling, "max_tokens": max_tokens,
-                          **({"stop": req.stop} if req.stop else {})}
-                try:
-                    gen = await self.generate(session.rollout_id, turn.prompt_ids, params,
-                                              turn.images)
-                except Requeue as e:
-                    session.requeued = True
-                    raise bad_request(RESTARTED, "episode_restarted") from e
-                except EpisodeError as e:  # not the agent's doing: the rollout fails as such
-                    session.failed = e
-                    raise bad_request(f"this episode failed: {e}", "episode_failed") from e
-                except Exception as e:  # (its text may hold paths, pids, addresses: logged)
-                    log.warning("engine call failed", exc_info=e)
-                    raise WireError(503, "api_error",
-                                    f"the engine failed ({type(e).__name__})") from e
-                reply = make_reply(gen, req.parse_tools, len(turn.prompt_ids))
+                params = {**session.sampling,
+                          "max_tokens": min(req.max_tokens or session.sampling["max_tokens"],
+                                            room - len(turn.prompt_ids)),
+                          **({"stop": req.stop} if req.stop else {}),
+                          **({"seed": req.seed} if req.seed is not None else {})}
+                gen = await self._generate(request, session, turn, params)
+                if gen is None:
+                    return JSONResponse(wire.error(bad_request("the client disconnected")), 400)
+                reply = make_reply(gen, req, len(turn.prompt_ids), self.tokenizer)
+                body = self._render(wire, reply, req)  # before recording: all or nothing
                 session.record(turn, req.messages, req.tools, gen, reply.message, reply)
+                return body
+        return self._render(wire, reply, req)
+
+    def _render(self, wire, reply, req):
         if req.stream:
-            return StreamingResponse(wire.stream(reply, self.model, req.include_usage),
-                                     media_type="text/event-stream")
+            chunks = list(wire.stream(reply, self.model, req.include_usage))
+            return StreamingResponse(iter(chunks), media_type="text/event-stream")
         return JSONResponse(wire.response(reply, self.model))
+
+
+def _text_chars(x) -> int:
+    """Characters of text in parsed messages and tools (images not counted)."""
+    if isinstance(x, str):
+        return len(x)
+    if isinstance(x, dict):
+        return sum(_text_chars(v) for k, v in x.items() if k != "image")
+    return sum(map(_text_chars, x)) if isinstance(x, list) else 0

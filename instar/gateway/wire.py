@@ -41,6 +41,8 @@ class Request:
     """Sampling values the request sets explicitly (temperature, top_p, top_k)."""
     parse_tools: bool = True
     include_usage: bool = False
+    seed: int | None = None
+    logprobs: bool = False
 
 
 @dataclass
@@ -54,6 +56,8 @@ class Reply:
     stop: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[tuple[str, float]] | None = None
+    """(token text, log-prob) of each generated token, when the request asked for them."""
 
     @property
     def message(self) -> dict:
@@ -64,12 +68,44 @@ class Reply:
         return msg
 
 
-def make_reply(gen, parse_tools: bool, prompt_tokens: int) -> Reply:
-    calls = parse_hermes(gen.text) if parse_tools else []
+def _encodable(x) -> bool:
+    """Whether `x` goes into a JSON response (no NaN, no lone surrogate)."""
+    try:
+        json.dumps(x, ensure_ascii=False, allow_nan=False).encode()
+        return True
+    except (ValueError, UnicodeError):
+        return False
+
+
+def make_reply(gen, req: Request, prompt_tokens: int, tokenizer=None) -> Reply:
+    """The wire-neutral reply; sampled tool calls that no JSON response could carry (NaN
+    arguments, a lone surrogate in a name) stay text."""
+    calls = parse_hermes(gen.text) if req.parse_tools else []
+    calls = calls if _encodable(calls) else []
     text = _CALL_BLOCK.sub("", gen.text).strip() if calls else gen.text
     calls = [{**c, "id": f"call_{uuid.uuid4().hex[:24]}"} for c in calls]
     finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
-    return Reply(text, calls, finish, gen.stop, prompt_tokens, len(gen.token_ids))
+    logprobs = [(tokenizer.decode([t]), lp) for t, lp in zip(gen.token_ids, gen.logprobs)] \
+        if req.logprobs else None
+    return Reply(text, calls, finish, gen.stop, prompt_tokens, len(gen.token_ids), logprobs)
+
+
+def _fields(body: dict, known: set[str], neutral: dict[str, Any]) -> None:
+    """Every field is one instar honours; those that would change the sampling distribution
+    (the trainer recomputes log-probs without them) only at their neutral value."""
+    if unknown := sorted(set(body) - known - set(neutral)):
+        raise bad_request(f"unsupported field(s) {', '.join(map(repr, unknown))[:200]}",
+                          "unsupported_parameter")
+    for name, value in neutral.items():
+        if body.get(name) is not None and (body[name] != value or isinstance(body[name], bool)):
+            raise bad_request(f"'{name}' changes the sampling distribution, which the trainer does "
+                              f"not reproduce; leave it unset (or {json.dumps(value)})",
+                              "unsupported_parameter")
+
+
+def _typed(body: dict, name: str, kind: type) -> None:
+    if body.get(name) is not None and not isinstance(body[name], kind):
+        raise bad_request(f"'{name}' must be a {kind.__name__}")
 
 
 def _number(body: dict, name: str, lo: float, hi: float) -> dict:
@@ -110,7 +146,9 @@ def _stop_list(stop, name: str = "stop") -> list[str]:
     raise bad_request(f"'{name}' must be a non-empty string or a list of non-empty strings")
 
 
-def _image(url: Any) -> dict:
+def _image(url: Any, vision: bool) -> dict:
+    if not vision:  # (refused before anything is decoded)
+        raise bad_request("this model takes no images", "invalid_image")
     if not isinstance(url, str):
         raise bad_request(f"an image needs a data URL string, got {type(url).__name__}",
                           "invalid_image")
@@ -120,12 +158,12 @@ def _image(url: Any) -> dict:
         raise bad_request(f"invalid image: {e}", "invalid_image") from e
 
 
-def _openai_parts(content: Any) -> Any:
+def _openai_parts(content: Any, vision: bool) -> Any:
     """`image_url` parts as image parts; everything else as it is."""
     if not isinstance(content, list):
         return content
     return [_image((p.get("image_url") or {}).get("url") if isinstance(p.get("image_url"), dict)
-                   else p.get("image_url"))
+                   else p.get("image_url"), vision)
             if isinstance(p, dict) and p.get("type") == "image_url" else p for p in content]
 
 
@@ -136,9 +174,27 @@ def sse(data: Any, event: str | None = None) -> str:
 
 class OpenAIWire:
     name = "openai"
+    FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "stream",
+              "stream_options", "stop", "temperature", "top_p", "top_k", "n", "tools",
+              "tool_choice", "parallel_tool_calls", "seed", "logprobs", "top_logprobs", "user",
+              "metadata"}
+    NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1,
+               "min_p": 0, "logit_bias": {}, "response_format": {"type": "text"}}
 
-    @staticmethod
-    def parse(body: dict) -> Request:
+    @classmethod
+    def parse(cls, body: dict, vision: bool = False) -> Request:
+        _fields(body, cls.FIELDS, cls.NEUTRAL)
+        for name, kind in (("model", str), ("user", str), ("metadata", dict)):
+            _typed(body, name, kind)
+        if body.get("top_logprobs"):
+            raise bad_request("top_logprobs is not supported: instar returns the sampled "
+                              "token's log-prob (logprobs: true)", "unsupported_parameter")
+        if body.get("parallel_tool_calls") is False:
+            raise bad_request("parallel_tool_calls=false is not supported (the model may call "
+                              "several tools in one turn)", "unsupported_parameter")
+        seed = body.get("seed")
+        if seed is not None and (type(seed) is not int or not 0 <= seed < 1 << 63):
+            raise bad_request("'seed' must be a non-negative integer below 2**63")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or \
                 not all(isinstance(m, dict) and "role" in m for m in messages):
@@ -152,16 +208,22 @@ class OpenAIWire:
         if tools is not None and not all(isinstance(t, dict) and "function" in t for t in tools):
             raise bad_request("'tools' must be a list of {'type': 'function', 'function': ...}")
         msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"],
-                 **({"content": _openai_parts(m["content"])} if "content" in m else {})}
+                 **({"content": _openai_parts(m["content"], vision)} if "content" in m else {})}
                 for m in messages]
         max_tokens = _max_tokens(body.get("max_completion_tokens", body.get("max_tokens")))
         options = body.get("stream_options")
         options = {} if options is None else options
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object")
+        top_k = body.get("top_k")
+        if top_k is not None and (type(top_k) is not int or top_k not in (-1, 0)):
+            raise bad_request(f"top_k={json.dumps(top_k)[:20]} differs from the run's (none): the "
+                              "trainer recomputes log-probs from the full distribution; leave "
+                              "top_k unset", "unsupported_value")
         return Request(msgs, tools, max_tokens, _flag(body, "stream"), _stop_list(body.get("stop")),
                        {**_number(body, "temperature", 0, 2), **_number(body, "top_p", 0, 1)},
-                       parse_tools=choice != "none", include_usage=_flag(options, "include_usage"))
+                       parse_tools=choice != "none", include_usage=_flag(options, "include_usage"),
+                       seed=seed, logprobs=_flag(body, "logprobs"))
 
     @staticmethod
     def _calls(reply: Reply) -> list[dict]:
@@ -174,6 +236,12 @@ class OpenAIWire:
         return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
                 "total_tokens": reply.prompt_tokens + reply.completion_tokens}
 
+    @staticmethod
+    def _logprobs(reply: Reply) -> dict | None:
+        return None if reply.logprobs is None else {"content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in reply.logprobs]}
+
     @classmethod
     def response(cls, reply: Reply, model: str) -> dict:
         message = {"role": "assistant", "content": reply.text or None}
@@ -182,18 +250,18 @@ class OpenAIWire:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": model,
                 "choices": [{"index": 0, "message": message, "finish_reason": reply.finish,
-                             "logprobs": None}],
+                             "logprobs": cls._logprobs(reply)}],
                 "usage": cls._usage(reply)}
 
     @classmethod
     def stream(cls, reply: Reply, model: str, include_usage: bool):
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": model}
-        chunk = lambda delta, finish=None: {**head, "choices": [  # noqa: E731
-            {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        chunk = lambda delta, finish=None, logprobs=None: {**head, "choices": [  # noqa: E731
+            {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
         yield sse(chunk({"role": "assistant", "content": ""}))
-        if reply.text:
-            yield sse(chunk({"content": reply.text}))
+        if reply.text or reply.logprobs:
+            yield sse(chunk({"content": reply.text}, logprobs=cls._logprobs(reply)))
         for i, call in enumerate(cls._calls(reply)):
             yield sse(chunk({"tool_calls": [{"index": i, **call}]}))
         yield sse(chunk({}, reply.finish))
@@ -208,6 +276,8 @@ class OpenAIWire:
 
 class AnthropicWire:
     name = "anthropic"
+    FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
+              "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata"}
     KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
              413: "request_too_large", 503: "overloaded_error"}
 
@@ -225,24 +295,29 @@ class AnthropicWire:
         return "".join(parts)
 
     @staticmethod
-    def _image(block: dict) -> dict:
+    def _image(block: dict, vision: bool) -> dict:
+        if not vision:
+            return _image(None, vision)
         source = block.get("source")
         if not isinstance(source, dict) or source.get("type") != "base64":
             raise bad_request("an image block needs a base64 source (instar fetches nothing "
                               "from the network)", "invalid_image")
-        return _image(f"data:{source.get('media_type')};base64,{source.get('data')}")
+        return _image(f"data:{source.get('media_type')};base64,{source.get('data')}", vision)
 
     @classmethod
-    def _content(cls, content) -> str | list[dict]:
+    def _content(cls, content, vision: bool) -> str | list[dict]:
         """Text, or text and image parts where there are images."""
         if not isinstance(content, list) or not any(
                 isinstance(b, dict) and b.get("type") == "image" for b in content):
             return cls._text(content)
-        return [cls._image(b) if isinstance(b, dict) and b.get("type") == "image"
+        return [cls._image(b, vision) if isinstance(b, dict) and b.get("type") == "image"
                 else {"type": "text", "text": cls._text([b])} for b in content]
 
     @classmethod
-    def parse(cls, body: dict) -> Request:
+    def parse(cls, body: dict, vision: bool = False) -> Request:
+        _fields(body, cls.FIELDS, {})
+        for name, kind in (("model", str), ("metadata", dict)):
+            _typed(body, name, kind)
         messages, max_tokens = body.get("messages"), body.get("max_tokens")
         if not isinstance(messages, list) or not messages:
             raise bad_request("messages: field required (a non-empty list)")
@@ -264,11 +339,12 @@ class AnthropicWire:
                 if kind == "text":
                     parts.append({"type": "text", "text": b.get("text", "")})
                 elif kind == "image" and m["role"] == "user":
-                    parts.append(cls._image(b))
+                    parts.append(cls._image(b, vision))
                 elif kind == "tool_use" and m["role"] == "assistant":
                     calls.append({"name": b.get("name"), "arguments": b.get("input") or {}})
                 elif kind == "tool_result" and m["role"] == "user":
-                    out.append({"role": "tool", "content": cls._content(b.get("content") or "")})
+                    out.append({"role": "tool",
+                                "content": cls._content(b.get("content") or "", vision)})
                 else:
                     raise bad_request(f"unsupported content block {kind!r} in a {m['role']} message")
             text = "".join(p["text"] for p in parts if p["type"] == "text")
