@@ -9,9 +9,14 @@ Every message, observations included, is rendered by the model's own chat templa
 sampled ids are appended as they are, never re-tokenised. Images (image parts of the
 messages, `Result.images`) go to the engine with every turn; the engine expands their
 placeholders, and the episode continues from the expanded prompt it reports.
+
+The agent's own code (reset, step, parse_tool_calls) runs on the episode's `AgentThread`;
+the loop above, and so the engine calls, stays on the caller's (the rollout) event loop.
 """
 
 import asyncio
+import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -20,6 +25,11 @@ from instar.agents.contract import Action, Env, Task
 from instar.agents.images import image_urls, with_images
 from instar.errors import EpisodeError
 from instar.sample import Sample
+
+log = logging.getLogger(__name__)
+CANCEL_GRACE_S = 5.0
+"""Seconds agent code left running after its episode (a timeout, tasks it started) has to
+finish once cancelled, before its event loop stops for good."""
 
 
 class Generated(Protocol):
@@ -37,22 +47,67 @@ Generate = Callable[[list[int], dict[str, Any], list[str]], Awaitable[Generated]
 """generate(prompt ids, sampling, images as data URLs)"""
 
 
-async def agent_call(coro):
-    """Await the user's code; what it raises costs this rollout only (engine errors do not)."""
+async def _await(fn, *args):
     try:
-        return await coro
-    except Exception as e:
-        raise EpisodeError("agent_error", f"{type(e).__name__}: {e}") from e
+        return await fn(*args)
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # the deadline (or the run) cancelled it
+            raise
+        raise RuntimeError("the agent raised CancelledError") from None  # (not to the run)
+
+
+class AgentThread:
+    """One episode's agent code, on an event loop of its own in a daemon thread of its own.
+
+    The rollout loop only awaits it, so agent code that blocks its thread (`time.sleep`, a
+    busy loop) or ignores cancellation holds up neither other episodes nor deadlines: at the
+    deadline the episode is abandoned. Python cannot kill a thread: a blocked one runs on
+    until its call returns; then its tasks are cancelled and its loop stops (after
+    CANCEL_GRACE_S for tasks that ignore cancellation). Needs only threads, so it works in
+    any process with an event loop.
+    """
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self._main, name=name, daemon=True).start()
+
+    def _main(self) -> None:
+        self.loop.run_forever()  # until close()
+        left = asyncio.all_tasks(self.loop)  # cancelled at the deadline, or started by the agent
+        for task in left:
+            task.cancel()
+        if left and self.loop.run_until_complete(asyncio.wait(left, timeout=CANCEL_GRACE_S))[1]:
+            log.warning("%s: agent code ignored cancellation for %ss; its loop stops, so it "
+                        "never resumes", threading.current_thread().name, CANCEL_GRACE_S)
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()  # (and its executor, that of asyncio.to_thread, without waiting)
+
+    async def call(self, fn, *args):
+        """`await fn(*args)` on the agent's loop. What it raises costs this rollout only
+        (EpisodeError "agent_error"); engine errors never pass through here."""
+        try:
+            return await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(_await(fn, *args), self.loop))
+        except Exception as e:
+            raise EpisodeError("agent_error", f"{type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        """The episode is over (or abandoned): stop the loop once it is free."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def _step(env: Env, gen: Generated):  # (parse_tool_calls, overridable, is agent code too)
+    return await env.step(Action(gen.text, list(gen.token_ids), env.parse_tool_calls(gen.text)))
 
 
 async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
-                   sampling: dict[str, Any], max_turns: int) -> dict:
-    messages = as_messages(await agent_call(env.reset(task)))
+                   sampling: dict[str, Any], call) -> dict:
+    messages = as_messages(await call(env.reset, task))
     images = image_urls(messages)
     tokens = prompt_ids(tokenizer, messages, env.tools)
     mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
     reward, turn_rewards, info, finish, routing = 0.0, [], {}, "max_turns", None
-    for _ in range(max_turns):
+    for _ in range(env.max_turns):
         budget = env.max_tokens - len(tokens)
         if budget <= 0:
             finish = "max_tokens"
@@ -70,8 +125,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         versions += gen.versions
         seen = (len(tokens), len(images))  # what the engine has seen (and expanded)
         routing = gen.routed_experts  # every position the engine has run (GPU MoE only)
-        action = Action(gen.text, list(gen.token_ids), env.parse_tool_calls(gen.text))
-        result = await agent_call(env.step(action))
+        result = await call(_step, env, gen)
         reward += result.reward
         turn_rewards.append(result.reward)
         info.update(result.info)
@@ -109,13 +163,16 @@ async def run_env_episode(env: Env, task: Task, generate: Generate, tokenizer,
                           sampling: dict[str, Any], rollout_id: str, group_id: str) -> Sample:
     """One episode as one Sample; raises EpisodeError if the agent fails or times out.
 
-    Errors of `generate` (the engine) propagate unchanged: they are not the agent's.
+    Errors of `generate` (the engine) propagate unchanged: they are not the agent's. The
+    deadline holds even while `step` blocks its thread: see `AgentThread`.
     """
+    agent = AgentThread(f"agent {rollout_id}")
     try:
         ep = await asyncio.wait_for(
-            _episode(env, task, generate, tokenizer, sampling, env.max_turns),
-            timeout=env.timeout_s)
+            _episode(env, task, generate, tokenizer, sampling, agent.call), timeout=env.timeout_s)
     except TimeoutError as e:
         raise EpisodeError("timeout", f"episode ran over {env.timeout_s}s") from e
+    finally:
+        agent.close()
     return Sample(rollout_id=rollout_id, group_id=group_id, task_id=task.id, segment=0,
                   sampling=sampling, **ep)

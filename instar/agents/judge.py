@@ -13,6 +13,7 @@ no ray: the run hands the judge a `generate` function.
 """
 
 import re
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ class Judge:
     def __init__(self, generate: Callable[[list[int], dict[str, Any]], Awaitable[Any]],
                  tokenizer):
         self._generate, self.tokenizer = generate, tokenizer
+        self._lock = threading.Lock()  # episodes ask from threads of their own
         self.calls = 0
         """Verdicts returned so far (all episodes of the run)."""
 
@@ -36,7 +38,8 @@ class Judge:
         question gets the same verdict from the same weights."""
         ids = prompt_ids(self.tokenizer, messages, None)
         gen = await self._generate(ids, {"max_tokens": max_tokens, "temperature": temperature})
-        self.calls += 1
+        with self._lock:
+            self.calls += 1
         return gen.text
 
 

@@ -1,9 +1,13 @@
-"""Run one ChatAgent episode through the gateway; its captured segments become Samples."""
+"""Run one ChatAgent episode through the gateway; its captured segments become Samples.
+
+`agent.run` runs wholly on the episode's own thread and event loop (`AgentThread`), so an
+agent that blocks or ignores cancellation still ends at `timeout_s` and holds up no other.
+"""
 
 import asyncio
 
 from instar.agents.contract import ChatAgent, ChatContext, Task
-from instar.agents.env_loop import agent_call
+from instar.agents.env_loop import AgentThread
 from instar.errors import EpisodeError, Requeue
 from instar.gateway.server import Gateway
 from instar.sample import Sample
@@ -16,8 +20,9 @@ async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, sampl
     openai_url, anthropic_url = gateway.urls(sid)
     ctx = ChatContext(task=task, openai_base_url=openai_url, anthropic_base_url=anthropic_url,
                       api_key=gateway.api_key, model=gateway.model, sampling=dict(sampling))
+    thread = AgentThread(f"agent {rollout_id}")
     try:
-        result = await asyncio.wait_for(agent_call(agent.run(ctx)), agent.timeout_s)
+        result = await asyncio.wait_for(thread.call(agent.run, ctx), agent.timeout_s)
         reward, info = result.reward, result.info
     except TimeoutError as e:
         raise EpisodeError("timeout", f"episode ran over {agent.timeout_s}s") from e
@@ -28,6 +33,7 @@ async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, sampl
             raise
         reward, info = 0.0, {}  # the agent stopped at a limit the gateway enforced
     finally:
+        thread.close()
         session = gateway.close_session(sid)
     if session.requeued:
         raise Requeue(f"episode {rollout_id} was stopped by a weight update")

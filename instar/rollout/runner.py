@@ -7,7 +7,8 @@ by a weight update (see `Engine.load_weights`) or by an engine that died is rest
 a fresh agent, up to `MAX_RESTARTS` times, and is not an agent failure.
 
 Episodes run as asyncio tasks on one background event loop, so rollouts can go on while
-the caller trains (see instar/rollout/stream.py).
+the caller trains (see instar/rollout/stream.py); each episode's agent code runs on a thread
+and event loop of its own (`AgentThread`), so a blocked agent holds up no other episode.
 """
 
 import asyncio
@@ -85,7 +86,9 @@ class Rollouts:
             router = Router(self.judge_engines, Versions()) if self.judge_engines \
                 else self.router  # (a frozen judge's weights never change)
             tok = tokenizer if judge == "policy" else AutoTokenizer.from_pretrained(judge)
-            self.judge = Judge(lambda ids, s: self._judge_generate(router, ids, s), tok)
+            # asked on an agent's own loop (see AgentThread), answered on this one (the router's)
+            self.judge = Judge(lambda ids, s: asyncio.wrap_future(
+                self.submit(self._judge_generate(router, ids, s))), tok)
         self.judge_requests = itertools.count()
 
     async def _judge_generate(self, router: Router, ids: list[int], sampling: dict):
