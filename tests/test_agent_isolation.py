@@ -8,6 +8,7 @@ out, while the stuck one is still stuck (it stays stuck for HANG_S, far past its
 """
 
 import asyncio
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -188,8 +189,25 @@ def test_normal_episodes_and_their_judge_work_and_agent_errors_cost_one_rollout(
         assert all(error in e["traceback"] for e in batch.errors)
 
 
-def test_engine_errors_are_not_agent_errors(tokenizer):
-    with pytest.raises(RuntimeError, match="engine down"):  # it stops the run
-        rollouts(Judged, tokenizer, TASKS[:1], "down", fail=RuntimeError("engine down"))
-    batch, _ = rollouts(Judged, tokenizer, TASKS[:1], "requeued", fail=Requeue("stopped"))
+class HangsAfterAnError(ChatAgent):
+    timeout_s = 1.0
+
+    async def run(self, ctx):
+        client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key,
+                                    max_retries=0)
+        with contextlib.suppress(openai.APIError):
+            await client.chat.completions.create(model=ctx.model, messages=[
+                {"role": "user", "content": ctx.task.prompt}])
+        await asyncio.sleep(60)
+
+
+@pytest.mark.parametrize("agent_cls", [Judged, HangsAfterAnError])
+def test_engine_errors_are_not_agent_errors(tokenizer, agent_cls):
+    """Even when the agent goes on to time out: the engine's failure is what happened."""
+    tag, check = agent_cls.__name__, agent_cls is Judged
+    with pytest.raises(RuntimeError, match="engine"):  # it stops the run
+        rollouts(agent_cls, tokenizer, TASKS[:1], tag, fail=RuntimeError("engine down"),
+                 check_loop=check)
+    batch, _ = rollouts(agent_cls, tokenizer, TASKS[:1], tag, fail=Requeue("stopped"),
+                        check_loop=check)  # restarted, then given up on
     assert batch.restarted == MAX_RESTARTS + 1 and dict(batch.failed) == {"restarts": 1}

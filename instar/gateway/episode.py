@@ -24,13 +24,13 @@ async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, sampl
     try:
         result = await asyncio.wait_for(thread.call(agent.run, ctx), agent.timeout_s)
         reward, info = result.reward, result.info
-    except TimeoutError as e:
-        raise EpisodeError("timeout", f"episode ran over {agent.timeout_s}s") from e
-    except EpisodeError:
-        session = gateway.sessions.get(sid)
-        if session is None or (session.truncated is None and not session.requeued
-                               and session.failed is None):
-            raise
+    except (TimeoutError, EpisodeError) as e:
+        session = gateway.sessions[sid]
+        if not session.requeued and session.failed is None:  # (else the run's doing: below)
+            if isinstance(e, TimeoutError):
+                raise EpisodeError("timeout", f"episode ran over {agent.timeout_s}s") from e
+            if session.truncated is None:
+                raise
         reward, info = 0.0, {}  # the agent stopped at a limit the gateway enforced
     finally:
         thread.close()
