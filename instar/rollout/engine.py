@@ -98,6 +98,7 @@ class Engine:
         """Requests in flight: id -> [(tokens generated before an update, the version after
         it), ...]."""
         self.window = dict(start=time.time(), tokens=0, prompt=0, cached=0, peak=0)
+        self.finished_tokens = 0  # (for `progress`)
         self.ready = asyncio.Event()  # cleared while weights are being loaded
         self.ready.set()
 
@@ -148,6 +149,7 @@ class Engine:
         versions += [start] * (len(o.token_ids) - done)
         w = self.window
         w["tokens"] += len(o.token_ids)
+        self.finished_tokens += len(o.token_ids)
         w["prompt"] += len(prompt_ids)
         w["cached"] += final.num_cached_tokens or 0
         stop = o.stop_reason if isinstance(o.stop_reason, str) else None
@@ -172,6 +174,13 @@ class Engine:
         out = self.llm.output_processor
         ids = out.external_req_ids.get(rid)
         return out.request_states[ids[0]].detokenizer.num_output_tokens() if ids else None
+
+    def progress(self) -> tuple[int, int, bool]:
+        """(requests in flight, tokens generated so far, loading weights): what the router's
+        watchdog reads to tell a hung engine from an idle or busy one."""
+        states = self.llm.output_processor.request_states.values()
+        return (len(self.live), self.finished_tokens + sum(
+            s.detokenizer.num_output_tokens() for s in states), not self.ready.is_set())
 
     async def pause(self, version: int) -> None:
         """Stop generating before weights `version` arrive (see the module docstring)."""

@@ -5,21 +5,29 @@ turns go to the same engine, whose prefix cache already holds the conversation.
 
 An engine that dies is restarted by Ray (from the base checkpoint); the router then loads
 the current weights into it before it serves again, and the episodes it was running are
-restarted. An engine never generates with weights older than the run's current version
-(`Versions`).
+restarted. An engine that hangs (it has requests but generates no token for `hang_s`, or
+stops answering) is killed by the router's watchdog and then restarted the same way. An
+engine never generates with weights older than the run's current version (`Versions`).
 """
 
 import asyncio
+import logging
+import time
 
+import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from instar.errors import EpisodeError, Requeue
 from instar.rollout.versions import POLICY, Versions
 
+log = logging.getLogger(__name__)
+
 
 class Router:
-    def __init__(self, engines: list, versions: Versions, policy: str = POLICY):
+    def __init__(self, engines: list, versions: Versions, policy: str = POLICY,
+                 hang_s: float = 120.0):
         self.engines, self.versions, self.policy = engines, versions, policy
+        self.hang_s, self.watchdog = hang_s, None
         self.live = [0] * len(engines)
         """Episodes currently assigned to each engine."""
         self.assigned: dict[str, int] = {}
@@ -37,14 +45,19 @@ class Router:
         """One turn of `episode` on its engine (`images`: data URLs, one per placeholder in
         `ids`); raises Requeue if a weight update stopped it or its engine died, EpisodeError
         if the model sampled an image placeholder (see `Engine.generate`)."""
+        if self.watchdog is None and self.hang_s:
+            self.watchdog = asyncio.ensure_future(self.watch())
         i = self.engine_of(episode)
         if i in self.recovering:
             await asyncio.shield(self.recovering[i])
+        ref = self.engines[i].generate.remote(ids, sampling, self.versions[self.policy], images)
         try:
-            gen = await self.engines[i].generate.remote(ids, sampling,
-                                                        self.versions[self.policy], images)
+            gen = await ref
         except RayActorError:
             gen = None
+        except asyncio.CancelledError:  # (the client went away): the engine stops generating
+            ray.cancel(ref)
+            raise
         if gen is None or gen.finish_reason == "behind":  # died, or restarted with old weights
             await self._recover(i)
             raise Requeue(f"engine {i} was restarted during episode {episode}")
@@ -72,6 +85,39 @@ class Router:
         if i not in self.recovering:
             self.recovering[i] = asyncio.ensure_future(reload())
         await asyncio.shield(self.recovering[i])
+
+    async def watch(self) -> None:
+        """The watchdog: every engine that has requests in flight must generate a token (or
+        answer at all) within `hang_s`; one that does not is killed, for Ray to restart.
+        An idle engine, or one loading weights, is not hung."""
+        seen: dict[int, tuple] = {}  # engine -> (its last progress, since when)
+        while True:
+            await asyncio.sleep(self.hang_s / 4)
+            for i, engine in enumerate(self.engines):
+                try:
+                    live, tokens, loading = await asyncio.wait_for(engine.progress.remote(),
+                                                                   self.hang_s)
+                except RayActorError:
+                    live = 0  # dead or restarting: its callers recover it
+                except Exception:  # (a timeout, or it fails to say)
+                    live, tokens, loading = 1, None, False
+                if not live or loading or i in self.recovering:
+                    seen.pop(i, None)
+                    continue
+                last, since = seen.get(i, (None, time.monotonic()))
+                if tokens is not None and tokens != last:
+                    seen[i] = (tokens, time.monotonic())
+                elif time.monotonic() - since < self.hang_s:
+                    seen[i] = (last, since)
+                else:
+                    log.warning(f"engine {i} generated nothing for {self.hang_s:.0f}s with "
+                                f"{live} requests in flight: restarting it")
+                    seen.pop(i)
+                    self.replace(i)
+
+    def replace(self, i: int) -> None:
+        """Kill engine i; Ray restarts it, and its callers' `generate` recover it."""
+        ray.kill(self.engines[i], no_restart=False)
 
     def release(self, episode: str) -> None:
         i = self.assigned.pop(episode, None)
