@@ -13,21 +13,27 @@ evaluated, so the engines' probe overlaps the next rollouts.
 import time
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from instar.train.trainer import Trainer
+
+DEADLINE_S = 900
+"""An engine that takes longer over a weight load or a probe is taken for hung: it is killed
+(Ray restarts it) and called again."""
 
 
 def on_engines(engines: list, method: str, *args, refs: list | None = None) -> list:
     """Call `method` on every engine (or collect `refs`, the calls already made); an engine
-    that died is waited for (Ray restarts it) and called again."""
+    that died, or hung past the deadline, is waited for (Ray restarts it) and called again."""
     out = []
     for e, ref in zip(engines, refs or [getattr(e, method).remote(*args) for e in engines]):
         try:
-            out.append(ray.get(ref))
-        except RayActorError:
+            out.append(ray.get(ref, timeout=DEADLINE_S))
+        except (RayActorError, GetTimeoutError) as err:
+            if isinstance(err, GetTimeoutError):
+                ray.kill(e, no_restart=False)
             wait_restarted(e)
-            out.append(ray.get(getattr(e, method).remote(*args)))
+            out.append(ray.get(getattr(e, method).remote(*args), timeout=DEADLINE_S))
     return out
 
 
