@@ -25,12 +25,12 @@ class CodeExecOpenAI(ChatAgent):
         for attempt in range(1, self.max_turns + 1):
             reply = (await client.chat.completions.create(
                 model=ctx.model, messages=messages)).choices[0].message.content or ""
-            passed, run = await asyncio.to_thread(run_tests, extract_code(reply), tests,
-                                                  **self.limits)  # off the event loop
+            passed, wrong, run = await asyncio.to_thread(run_tests, extract_code(reply), tests,
+                                                         **self.limits)  # off the event loop
             if passed == len(tests) or attempt == self.max_turns:
                 break
             messages += [{"role": "assistant", "content": reply},
-                         {"role": "user", "content": feedback(passed, len(tests), run)}]
+                         {"role": "user", "content": feedback(passed, len(tests), wrong, run)}]
         return Result(reward=passed / len(tests), info={
             "passed": passed, "tests": len(tests), "attempts": attempt,
             "exit_code": run.returncode, "violation": run.violation or ""})

@@ -37,7 +37,7 @@ def test_reward_is_the_last_attempts_fraction_and_failures_are_fed_back(tasks):
     first = attempt(env, "def f(*args):\n    return None\n")  # wrong on every test
     assert first.reward == 0.0 and not first.terminated
     assert first.observation.startswith("0 of 4 tests passed.")
-    assert "AssertionError" in first.observation
+    assert "returned None, expected" in first.observation  # compared outside the sandbox
     assert first.info | {"exec_s": 0} == {"passed": 0, "tests": 4, "attempts": 1, "exit_code": 0,
                                           "violation": "", "exec_s": 0}
     second = attempt(env, f"```python\n{task.label}```")  # the fenced block is the code

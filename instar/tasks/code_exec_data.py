@@ -3,8 +3,9 @@
     python -m instar.tasks.code_exec_data    # prints the paths: train, eval
 
 Each row asks for a one-line function `f` from a family and a constant k ("returns x plus
-7"), with `tests` (four asserts on random inputs) and `label` (a reference solution, which
-`instar rl`'s supervised warm-up learns from). No (family, k) of eval occurs in train.
+7"), with `tests` (four calls on random inputs, each with the value f must return, e.g.
+`{"call": "f(3)", "expected": 10}`) and `label` (a reference solution, which `instar rl`'s
+supervised warm-up learns from). No (family, k) of eval occurs in train.
 """
 
 import json
@@ -36,7 +37,7 @@ def _row(family: str, k: int, rng: random.Random, n: int) -> dict:
         # the divisibility tests (else False passes), strings longer than k
         x = (k * rng.randint(1, 12) if family == "divisible" and i % 2 else rng.randint(0, 200)) \
             if arg == "x" else "".join(rng.choice("abcxyz") for _ in range(k + rng.randint(1, 8)))
-        tests.append(f"assert f({x!r}) == {scope['f'](x)!r}")
+        tests.append({"call": f"f({x!r})", "expected": scope["f"](x)})
     return {"id": f"{family}-{k}-{n}", "label": solution, "tests": tests,
             "prompt": f"Write a Python function f({arg}) that returns {says.format(k=k)}. "
                       "Reply with the code only."}
@@ -44,7 +45,7 @@ def _row(family: str, k: int, rng: random.Random, n: int) -> dict:
 
 def code_exec_data(n_train: int = 2000, n_eval: int = 32) -> tuple[str, str]:
     """Paths of (train, eval) JSONL, written once into the cache."""
-    folder = cache_root() / "data" / f"code-exec-v2-{n_train}-{n_eval}"
+    folder = cache_root() / "data" / f"code-exec-v3-{n_train}-{n_eval}"
     train, held_out = folder / "train.jsonl", folder / "eval.jsonl"
     if not held_out.exists():
         rng = random.Random(0)
