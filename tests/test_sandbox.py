@@ -4,11 +4,25 @@ that nothing is left running and the caller can go on."""
 import os
 import signal
 import socket
+import stat
+import sys
 import time
+from pathlib import Path
 
+import pytest
+
+from instar.tasks import sandbox
+from instar.tasks.code_exec import run_tests
 from instar.tasks.sandbox import run_code
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+try:  # the escapes a reliability report counts; the tests below try them, with closer checks
+    from sandbox_escapes import ESCAPES, STEAL_NONCE, TESTS, attempt
+finally:
+    sys.path.pop(0)
+
 LIMITS = dict(cpu_s=2, wall_s=3, memory_mb=128, output_bytes=10_000, disk_mb=4, processes=8)
+ESCAPE = {escape.name: escape for escape in ESCAPES}
 
 
 def sandboxed_processes() -> list[int]:
@@ -155,4 +169,83 @@ def test_unix_sockets_to_host_listeners(tmp_path):
                 raise AssertionError("the sandbox reached a host unix socket")
             except TimeoutError:
                 pass
+    assert_caller_fine()
+
+
+def test_memfd_files_beyond_the_memory_limit(monkeypatch):
+    """825 MB of memfds (no address space counts them) under a 256 MB limit: the memory
+    cgroup kills the code; where none can be made, seccomp refuses memfd_create."""
+    run, _ = attempt(ESCAPE["memfd_files"])
+    assert run.violation == "memory" and "held" not in run.stdout
+    monkeypatch.setattr(sandbox, "_memory_cgroup", lambda limit: None)
+    run, _ = attempt(ESCAPE["memfd_files"])
+    assert run.violation == "memory" and "Cannot allocate memory" in run.stderr
+    assert_caller_fine()
+
+
+def test_shared_memory_beyond_the_memory_limit(monkeypatch):
+    """SysV segments written and detached (640 MB) count in the cgroup, or shmget is refused;
+    POSIX shared memory has no /dev/shm to live in."""
+    run, _ = attempt(ESCAPE["sysv_shared_memory"])
+    assert run.violation == "memory" and "held" not in run.stdout
+    monkeypatch.setattr(sandbox, "_memory_cgroup", lambda limit: None)
+    run, _ = attempt(ESCAPE["sysv_shared_memory"])
+    assert run.violation == "memory" and "Cannot allocate memory" in run.stderr
+    run, _ = attempt(ESCAPE["posix_shared_memory"])
+    assert run.returncode == 1 and "FileNotFoundError" in run.stderr
+    assert_caller_fine()
+
+
+def test_memory_across_processes():
+    """Six processes of 80 MB, each under the 128 MB limit: the cgroup holds them together."""
+    cgroup = sandbox._memory_cgroup(1 << 20)
+    if cgroup is None:
+        pytest.skip("no memory cgroup can be made here: memory is bounded per process")
+    sandbox._close_cgroup(*cgroup)
+    run, _ = attempt(ESCAPE["memory_across_processes"])
+    assert run.violation == "memory" and "held" not in run.stdout
+    assert_caller_fine()
+
+
+def test_setuid_binaries_grant_nothing():
+    run, _ = attempt(ESCAPE["no_new_privs_and_nosuid"])
+    assert run.ok and run.stdout == "1 True\n"  # no_new_privs set; /usr nosuid and nodev
+    setuid = [name for name in os.listdir("/usr/bin")
+              if os.lstat(f"/usr/bin/{name}").st_mode & stat.S_ISUID]
+    run, _ = attempt(ESCAPE["setuid_binary"])  # runs the first one with LD_SHOW_AUXV=1
+    expected = "ran unprivileged\n" if setuid else "no setuid binary\n"
+    assert run.ok and run.stdout.endswith(expected)
+    assert_caller_fine()
+
+
+def test_forged_test_results():
+    """Code that takes the nonce (frames, stdin, gc) and prints pass lines and 100 guesses per
+    test passes none; one value per test, so even the right function loses a test it also
+    reports a guess for."""
+    assert run_tests("def f(x):\n    return x + 7\n", TESTS, **LIMITS)[0] == 4
+    run, passed = attempt(ESCAPE["forged_results"])
+    assert passed == 0 and "nonces stolen: 1" in run.stderr
+    code = STEAL_NONCE + "print(nonce, 0, 9)\nprint(nonce, 0, 8)\ndef f(x):\n    return x + 7\n"
+    passed, wrong, _ = run_tests(code, TESTS, **LIMITS)
+    assert passed == 3 and wrong == ["f(2) reported 2 different values"]
+
+
+def test_exiting_at_import_passes_nothing():
+    for name in ("exit_at_import", "sys_exit_at_import"):
+        run, passed = attempt(ESCAPE[name])
+        assert passed == 0 and run.returncode == 0 and run.violation is None
+
+
+def test_forged_equality_passes_nothing():
+    """Values cross as JSON: an object equal to everything does not serialise, and an int
+    subclass arrives as its plain value."""
+    passed, wrong, run = run_tests(ESCAPE["forged_equality"].code, TESTS, **LIMITS)
+    assert passed == 0 and run.stderr.count("not JSON serializable") == 1
+    assert wrong == ["f(2) returned 2, expected 9", "f(10) returned 10, expected 17",
+                     "f(40) returned 40, expected 47"]
+
+
+def test_killing_the_parent_and_writing_every_fd_passes_nothing():
+    run, passed = attempt(ESCAPE["kill_parent_and_write_every_fd"])
+    assert passed == 0 and run.returncode == 0  # pid 1 lived to report the exit
     assert_caller_fine()
