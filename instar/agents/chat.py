@@ -34,8 +34,10 @@ def _marked(messages: list[Message]) -> list[Message]:
 
 def _literal(tokenizer, messages: list[Message]) -> bool:
     """Whether some message text holds a special token's string (then it is rendered marked)."""
-    text = json.dumps([m.get("content") for m in messages], ensure_ascii=False)
-    return any(token in text for token in tokenizer.all_special_tokens)
+    texts = [c if isinstance(c := m.get("content"), str) else "" for m in messages] + [
+        p["text"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]
+        if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return any(token in text for text in texts for token in tokenizer.all_special_tokens)
 
 
 def render(tokenizer, messages: list[Message], tools: list[dict] | None,
