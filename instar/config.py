@@ -132,6 +132,12 @@ class RolloutConfig:
     sync_check_tol: float = 1e-4
     """After each weight sync, the most the engine's and trainer's log-probs of a fixed probe
     sequence may differ before the run stops (float32: 1e-4; bfloat16 needs about 5e-2)."""
+    hang_s: float = 120.0
+    """An engine with requests in flight that generates no token (or does not answer) for this
+    long is taken for hung: killed, restarted by Ray with the current weights, and its
+    episodes restarted (0: no watchdog)."""
+    max_request_mb: float = 32.0
+    """The gateway refuses larger request bodies (413)."""
 
 
 @dataclass
@@ -349,6 +355,9 @@ class Config:
                              "(0, 1]")
         if r.sync_check_tol <= 0:
             raise ValueError("--rollout.sync-check-tol must be > 0")
+        if r.hang_s < 0 or r.max_request_mb <= 0:
+            raise ValueError("--rollout.hang-s must be >= 0 (0: no watchdog) and "
+                             "--rollout.max-request-mb > 0")
         if r.max_tokens >= r.max_model_len:
             raise ValueError(f"--rollout.max-tokens ({r.max_tokens}) must be smaller than "
                              f"--rollout.max-model-len ({r.max_model_len})")

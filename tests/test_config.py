@@ -118,7 +118,7 @@ FLAGS = {  # every flag of each section, as --help shows it
     "agent": "file config max-turns max-tokens timeout-s judge",
     "rollout": "group-size temperature max-tokens ignore-eos max-model-len kv-cache-gb num-engines "
                "threads placement gpu-memory transport partial max-staleness on-failure "
-               "max-retries preflight preflight-tol sync-check-tol",
+               "max-retries preflight preflight-tol sync-check-tol hang-s max-request-mb",
     "eval": "size every samples temperature max-tokens pass-threshold",
     "train": "steps num-ranks freeze threads-per-rank lr lr-warmup-steps lr-schedule min-lr-ratio "
              "weight-decay grad-clip micro-batch-tokens activation-checkpointing cpu-offload "

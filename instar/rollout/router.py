@@ -119,6 +119,12 @@ class Router:
         """Kill engine i; Ray restarts it, and its callers' `generate` recover it."""
         ray.kill(self.engines[i], no_restart=False)
 
+    async def close(self) -> None:
+        """Stop the watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            await asyncio.gather(self.watchdog, return_exceptions=True)
+
     def release(self, episode: str) -> None:
         i = self.assigned.pop(episode, None)
         if i is not None:

@@ -64,12 +64,14 @@ class Rollouts:
     def __init__(self, agent_cls: type[Env] | type[ChatAgent], agent_config: dict,
                  engines: list, tokenizer, *, model_name: str, max_model_len: int, limits: dict,
                  on_failure: str = "drop_rollout", max_retries: int = 0, judge: str = "",
-                 judge_engines: list | None = None):
+                 judge_engines: list | None = None, hang_s: float = 120.0,
+                 max_request_mb: float = 32):
         """`judge`: "" (none), "policy" (a judge on `engines`) or the folder of a frozen
-        model served by `judge_engines` (started by the caller, shut down by `close`)."""
+        model served by `judge_engines` (started by the caller, shut down by `close`);
+        `hang_s`: see `Router`; `max_request_mb`: the gateway's body limit."""
         self.agent_cls, self.agent_config, self.tokenizer = agent_cls, agent_config, tokenizer
         self.versions = Versions()
-        self.router = Router(engines, self.versions)
+        self.router = Router(engines, self.versions, hang_s=hang_s)
         self.limits = {k: v for k, v in limits.items() if v is not None}
         self.max_model_len = max_model_len
         self.on_failure, self.max_retries = on_failure, max_retries
@@ -77,14 +79,16 @@ class Rollouts:
         threading.Thread(target=self.loop.run_forever, daemon=True, name="rollouts").start()
         self.gateway = None
         if issubclass(agent_cls, ChatAgent):
-            self.gateway = Gateway(self.router.generate, tokenizer, model=model_name,
-                                   max_model_len=max_model_len).start()
-        self.judge_engines, self.judge = judge_engines or [], None
+            self.gateway = Gateway(  # (its requests hop to this loop, the router's)
+                lambda *args: asyncio.wrap_future(self.submit(self.router.generate(*args))),
+                tokenizer, model=model_name, max_model_len=max_model_len,
+                max_body_mb=max_request_mb).start()
+        self.judge_engines, self.judge, self.judge_router = judge_engines or [], None, None
         if judge:
             from transformers import AutoTokenizer
 
-            router = Router(self.judge_engines, Versions()) if self.judge_engines \
-                else self.router  # (a frozen judge's weights never change)
+            router = self.judge_router = Router(self.judge_engines, Versions(), hang_s=hang_s) \
+                if self.judge_engines else self.router  # (a frozen judge's weights never change)
             tok = tokenizer if judge == "policy" else AutoTokenizer.from_pretrained(judge)
             # asked on an agent's own loop (see AgentThread), answered on this one (the router's)
             self.judge = Judge(lambda ids, s: asyncio.wrap_future(
@@ -180,4 +184,6 @@ class Rollouts:
             self.gateway.stop()
         if self.judge_engines:
             stop_engines(self.judge_engines)
+        for router in {self.router, self.judge_router} - {None}:
+            self.submit(router.close()).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
