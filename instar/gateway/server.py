@@ -12,7 +12,10 @@
 
 Bound to 127.0.0.1, a random API key per run (checked on every request), one unguessable
 session id per episode. Bad input is answered in the wire's own error shape (4xx) and
-leaves the session's recorded tokens unchanged.
+leaves the session's recorded tokens unchanged; nothing a client sends gets a 5xx. Work per
+request is bounded (a body limit, a length bound before tokenising, image limits checked
+before decoding) and done off the event loop (JSON, images, template, tokeniser), so one
+request cannot stall the other sessions. A client that hangs up cancels its engine request.
 """
 
 import asyncio
