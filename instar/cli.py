@@ -3,6 +3,7 @@ tasks), rollout (no training), serve (engine + gateway), make-model (build a tin
 
 import argparse
 import dataclasses
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -11,6 +12,7 @@ import tyro
 import yaml
 
 from instar.config import Config, load_yaml
+from instar.processes import Preempted, command
 
 
 @dataclass
@@ -158,7 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         sys.exit(f"usage: instar {{{','.join(COMMANDS)}}} [--help]")
-    COMMANDS[argv[0]](argv[1:])
+    try:
+        with command():  # no process of the command outlives it (instar/processes.py)
+            COMMANDS[argv[0]](argv[1:])
+    except Preempted as e:
+        print(f"instar {argv[0]}: {e}", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

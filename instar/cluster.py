@@ -21,6 +21,8 @@ import ray
 import torch.distributed as dist
 from ray.util.queue import Queue
 
+from instar.processes import on_sigterm
+
 
 def start_ray(address: str) -> str:
     """Start or join Ray (see above); returns where the engines' and ranks' logs are."""
@@ -43,6 +45,7 @@ def ray_for(address: str) -> Iterator[None]:
         yield
         return
     print(f"engine and trainer logs: {start_ray(address)}", flush=True)
+    on_sigterm()  # (ray.init put in its own)
     try:
         yield
     finally:

@@ -29,9 +29,7 @@ whatever raises), `begin` (resume, or eval and preflight), `train_step` for each
 
 import dataclasses
 import json
-import os
 import shutil
-import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -54,6 +52,7 @@ from instar.metrics import MISMATCH, RunLog, StepResult, step_metrics
 from instar.placement import place
 from instar.plots import plot_run
 from instar.preflight import preflight
+from instar.processes import scratch_dir
 from instar.rollout.engine import stop_engines
 from instar.rollout.runner import Batch, Rollouts
 from instar.rollout.start import make_rollouts, sampling, start_engines
@@ -163,8 +162,7 @@ def setup(cfg: Config, stack: ExitStack) -> Run:
         stack.callback(release, other.shutdown)
     rollouts = make_rollouts(cfg, inputs.agent_cls, engines, inputs.tokenizer, model)
     stack.callback(release, rollouts.close)
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # weights to the engines via RAM
-    weights = tempfile.mkdtemp(prefix="instar-", dir=shm)
+    weights = scratch_dir()  # weights to the engines through RAM
     stack.callback(shutil.rmtree, weights, ignore_errors=True)
     resume = cfg.checkpoint.resume and checkpoint.latest(run_dir / "checkpoints")
     log = RunLog(run_dir, dataclasses.asdict(cfg), resume=bool(resume),

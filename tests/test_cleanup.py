@@ -1,9 +1,17 @@
-"""A run that fails mid-step stops with a clear message and leaves nothing behind: no weights
-folder in /dev/shm, no Ray actor, no engine or rank process. The agent, the engine and the
-trainer each fail in turn, in step 2 of a run inside this process (on the tests' Ray)."""
+"""A command leaves nothing behind, however it ends. Fast: a small process tree under
+`command()` (instar/processes.py) is ended with it, normally, by an exception, Ctrl-C or
+SIGTERM, and its /dev/shm folder removed, while what ran before it is left alone. On the
+stack: a run that fails mid-step stops with a clear message and leaves no weights folder in
+/dev/shm, no Ray actor, no engine or rank process; the agent, the engine and the trainer each
+fail in turn, in step 2 of a run inside this process (on the tests' Ray, which lives on)."""
 
 import glob
+import os
+import signal
+import subprocess
+import sys
 import time
+import uuid
 
 import psutil
 import pytest
@@ -14,8 +22,60 @@ import instar.rollout.router
 import instar.train.trainer
 from instar.config import Config
 from instar.loop import run
+from instar.processes import MARK, command, marked
 
-pytestmark = pytest.mark.stack
+SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+CHILD = f"""
+import signal, subprocess, sys, time
+if sys.argv[1] == "SIGTERM":  # as a stuck process: it takes a SIGKILL
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen({SLEEP!r})
+print(flush=True)
+time.sleep(600)
+"""
+
+DRIVER = f"""
+import os, subprocess, sys, time
+from instar.processes import command, scratch_dir
+
+with command():
+    open(os.path.join(scratch_dir(), "weights"), "w").close()
+    # a child with a grandchild, which is orphaned when the child is killed
+    child = subprocess.Popen([sys.executable, "-c", {CHILD!r}, sys.argv[1]], stdout=subprocess.PIPE)
+    child.stdout.readline()
+    print("started", flush=True)
+    if sys.argv[1] == "exception":
+        raise RuntimeError("the command broke")
+    if sys.argv[1] != "normal":
+        time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("ending", ["normal", "exception", "SIGINT", "SIGTERM"])
+def test_a_command_ends_every_process_it_started_and_its_shm_folder(ending):
+    tag = uuid.uuid4().hex  # the test's own mark, to find the command's processes from outside
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, ending], text=True,
+                            env={**os.environ, "INSTAR_TEST_TAG": tag}, stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == "started\n"
+    if ending.startswith("SIG"):
+        assert len(marked("INSTAR_TEST_TAG", tag)) == 3  # the driver, child and grandchild
+        proc.send_signal(getattr(signal, ending))
+    assert (proc.wait(timeout=60) == 0) == (ending == "normal")
+    assert marked("INSTAR_TEST_TAG", tag) == []
+    assert glob.glob(f"/dev/shm/instar-{proc.pid}-*") == []
+
+
+def test_a_command_leaves_alone_what_it_did_not_start():
+    before = subprocess.Popen(SLEEP)  # as the tests' Ray: started before the command
+    try:
+        with command():
+            inside = subprocess.Popen(SLEEP)
+        assert inside.wait(timeout=30) is not None and before.poll() is None
+        assert MARK not in os.environ
+    finally:
+        before.kill()
+
 
 AGENT = '''
 from instar import Env, Result
@@ -78,6 +138,7 @@ def leftovers() -> tuple:
     return set(glob.glob("/dev/shm/instar-*")), actors, procs, held
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("part", ["agent", "engine", "trainer"])
 def test_a_failing_step_stops_the_run_and_leaves_nothing(part, ray_session, tmp_path,
                                                          monkeypatch):
@@ -96,7 +157,7 @@ def test_a_failing_step_stops_the_run_and_leaves_nothing(part, ray_session, tmp_
                             after_calls(1, instar.train.trainer.Trainer.step, bad))
         expected = "unknown loss 'no-such-loss'"
     before = leftovers()
-    with pytest.raises(Exception, match=expected):
+    with pytest.raises(Exception, match=expected), command():
         run(cfg)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1  # step 1 ran and was logged; step 2 failed

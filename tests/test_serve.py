@@ -1,6 +1,7 @@
 """`instar serve` as a user runs it: URLs and key printed, a request answered, sessions saved
-to the run directory."""
+to the run directory on Ctrl-C or SIGTERM, and no process of the command left running."""
 
+import glob
 import os
 import re
 import signal
@@ -11,17 +12,20 @@ import time
 import openai
 import pytest
 
+from instar.processes import marked
 from instar.sample import read_jsonl
 
 pytestmark = pytest.mark.stack
 
 
-def test_instar_serve_prints_urls_and_writes_sessions(tiny_model, tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_instar_serve_prints_urls_and_writes_sessions(stop, tiny_model, tmp_path):
+    env = {**os.environ, "INSTAR_TEST_TAG": str(tmp_path)}  # finds the command's processes
     proc = subprocess.Popen(
         [sys.executable, "-m", "instar.cli", "serve", "--model.path", str(tiny_model),
          "--rollout.max-tokens", "8", "--rollout.max-model-len", "512",
          "--logging.root", str(tmp_path), "--logging.name", "serve"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         lines, deadline = [], time.time() + 300
         while not any("Anthropic base URL" in line for line in lines):
@@ -34,10 +38,12 @@ def test_instar_serve_prints_urls_and_writes_sessions(tiny_model, tmp_path):
         reply = openai.OpenAI(base_url=base, api_key=key).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}])
         assert reply.usage.completion_tokens == 8
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop))
         assert proc.wait(timeout=120) == 0
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+    assert marked("INSTAR_TEST_TAG", str(tmp_path)) == []
+    assert glob.glob(f"/dev/shm/instar-{proc.pid}-*") == []
     samples = read_jsonl(tmp_path / "serve" / "sessions.jsonl")
     assert len(samples) == 1 and samples[0].num_generated == 8
