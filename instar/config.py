@@ -261,8 +261,9 @@ class CheckpointConfig:
     into the run directory's `checkpoints/` (0: never)."""
     keep: int = 2
     """Checkpoints kept (the newest)."""
-    resume: bool = False
-    """Continue from the newest checkpoint of the run directory (`--logging.name` names it)."""
+    resume: str = ""
+    """auto: continue from the newest checkpoint of the run directory (`--logging.name`), or
+    start afresh if it has none (a requeued job passes it every time); empty: off."""
 
 
 @dataclass
@@ -366,6 +367,9 @@ class Config:
                              "--train.steps >= 0")
         if c.every < 0 or c.keep < 1:
             raise ValueError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
+        if c.resume not in ("", "auto"):
+            raise ValueError(f"--checkpoint.resume takes auto (the newest checkpoint of the run "
+                             f'directory, if any) or "" (off), not {c.resume!r}')
         if self.data.prompts_per_step < 1:
             raise ValueError("--data.prompts-per-step must be >= 1")
         if a.dual_clip is not None and a.dual_clip <= 1:
@@ -403,8 +407,8 @@ class Config:
             raise ValueError("--train.master-dtype bfloat16 needs --model.dtype bfloat16: master "
                              "weights are at least as precise as the compute")
         if self.checkpoint.resume and not self.logging.name:
-            raise ValueError("--checkpoint.resume needs --logging.name: the run directory whose "
-                             "checkpoints/ to continue from")
+            raise ValueError("--checkpoint.resume auto needs --logging.name: the run directory "
+                             "whose checkpoints/ to continue from")
         if self.algo.estimator == "on_policy_distill" and not self.algo.teacher:
             raise ValueError("--algo.estimator on_policy_distill needs --algo.teacher (an HF "
                              "folder sharing the policy's tokenizer)")

@@ -24,7 +24,8 @@ log-probs on a fixed probe sequence must match the trainer's before its tokens a
 
 `run` reads top to bottom: `setup` (every resource it takes is released by one ExitStack,
 whatever raises), `begin` (resume, or eval and preflight), `train_step` for each step,
-`after_step` (log, eval, checkpoint), `finish` (final eval, summary, export).
+`after_step` (log, checkpoint, eval), `finish` (final eval, summary, export). A SIGTERM
+(preemption) ends the run at the end of its step, once that step is checkpointed.
 """
 
 import dataclasses
@@ -52,7 +53,7 @@ from instar.metrics import MISMATCH, RunLog, StepResult, step_metrics
 from instar.placement import place
 from instar.plots import plot_run
 from instar.preflight import preflight
-from instar.processes import scratch_dir
+from instar.processes import Preempted, deferred_sigterm, scratch_dir
 from instar.rollout.engine import stop_engines
 from instar.rollout.runner import Batch, Rollouts
 from instar.rollout.start import make_rollouts, sampling, start_engines
@@ -101,6 +102,7 @@ def run(cfg: Config) -> dict:
     with ExitStack() as stack:
         r = setup(cfg, stack)
         start = begin(r)
+        stopping = stack.enter_context(deferred_sigterm())  # SIGTERM: stop at the step's end
         P, ro = cfg.data.prompts_per_step, cfg.rollout
         stream = Stream(r.rollouts, task_order(r.inputs.train_tasks, cfg.data.seed), P,
                         ro.group_size, sampling(cfg), ro.max_staleness, first_ticket=(start - 1) * P)
@@ -110,12 +112,17 @@ def run(cfg: Config) -> dict:
         with Progress(*columns, console=console, disable=not cfg.logging.progress) as bar:
             task_bar = bar.add_task("", total=cfg.train.steps, completed=start - 1)
             for step in range(start, cfg.train.steps + 1):
-                m = after_step(r, train_step(r, stream, step))
+                result = train_step(r, stream, step)
+                preempted = stopping()
+                m = after_step(r, result, checkpoint_now=preempted)
                 bar.update(task_bar, advance=1, description=(
                     f"reward {m['rollout/reward']:.3f} |Δlogp| "
                     f"{m.get('invariants/abs_logprob_diff', 0):.0e} "
                     f"{m['perf/gen_tokens_per_s']:.0f} tok/s | wait {m['timing/wait_s']:.1f}s "
                     f"train {m['timing/train_s']:.1f}s sync {m['timing/sync_s']:.1f}s"))
+                if preempted:  # (the groups of later steps are dropped: resumed, they are redone)
+                    raise Preempted(f"stopped by SIGTERM after the checkpoint of step {step}; "
+                                    "continue with --checkpoint.resume auto")
         stream.close()  # (no more training groups: the final eval has the engines alone)
         return finish(r)
 
@@ -198,6 +205,8 @@ def begin(r: Run) -> int:
         sync(r, state["step"])
         console.log(f"resumed from {path}: step {state['step'] + 1} next")
         return state["step"] + 1
+    if c.checkpoint.resume:
+        console.log(f"no checkpoint in {r.dir / 'checkpoints'}: starting afresh")
     r.summary["eval_reward_before"] = evaluate_now(r, 0, "eval-before").get("eval/reward")
     if c.rollout.preflight:
         fresh = collect(r, r.rollouts.run(r.inputs.train_tasks[:c.rollout.preflight], 1,
@@ -306,19 +315,20 @@ def evaluate_now(r: Run, step: int, tag: str) -> dict:
     return m
 
 
-def after_step(r: Run, result: StepResult) -> dict:
-    """Log the step; sample dump, eval and checkpoint when they are due. The step's metrics."""
+def after_step(r: Run, result: StepResult, checkpoint_now: bool = False) -> dict:
+    """Log the step; sample dump, checkpoint and eval when they are due (the checkpoint also
+    when `checkpoint_now`). The step's metrics."""
     c, step = r.cfg, result.step
     m = step_metrics(result)
     r.history.append(m)
     r.log.log(m, step)
     if step == 1 or (c.logging.rollouts_every and step % c.logging.rollouts_every == 0):
         write_jsonl(r.dir / "rollouts.jsonl", result.batch.samples[:c.rollout.group_size])
-    if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
-        evaluate_now(r, step, f"eval-{step}")
-    if c.checkpoint.every and step % c.checkpoint.every == 0:
+    if checkpoint_now or (c.checkpoint.every and step % c.checkpoint.every == 0):
         r.trainer.save_checkpoint(r.dir / "checkpoints", step, {
             "step": step, "history": r.history, "summary": r.summary}, c.checkpoint.keep)
+    if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
+        evaluate_now(r, step, f"eval-{step}")
     return m
 
 

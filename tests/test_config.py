@@ -78,6 +78,9 @@ def changed(**settings) -> Config:
     (dict(eval__size=0, eval__max_tokens=64), "--eval.max-tokens 64 has no effect"),
     (dict(eval__size=0, eval__pass_threshold=0.5), "--eval.pass-threshold 0.5 has no effect"),
     (dict(checkpoint__keep=5), "--checkpoint.keep 5 has no effect unless --checkpoint.every > 0"),
+    (dict(checkpoint__resume="newest"), "--checkpoint.resume takes auto"),
+    (dict(checkpoint__resume=True, logging__name="run"), "--checkpoint.resume takes auto"),
+    (dict(checkpoint__resume="auto"), "--checkpoint.resume auto needs --logging.name"),
     (dict(model__path="ckpt/", model__size="small"), "--model.size small has no effect unless "
      "--model.path is empty"),
     (dict(model__path="ckpt/", model__seed=1), "--model.seed 1 has no effect"),
@@ -97,6 +100,7 @@ def test_validate_names_the_flag(settings, flag):
     dict(rollout__on_failure="retry", rollout__max_retries=5),
     dict(eval__size=8, eval__every=2, eval__samples=4),
     dict(checkpoint__every=10, checkpoint__keep=5),
+    dict(checkpoint__resume="auto", logging__name="run"),
     dict(model__path="ckpt/", model__dtype="bfloat16"),
 ])
 def test_settings_that_count_are_accepted(settings):
