@@ -59,7 +59,13 @@ status)
     echo " 0.0/$((gpus)).0 GPU" ;;
 esac
 """,
-    "instar": """if [ -n "${FAKE_INSTAR_HANG:-}" ]; then echo $$ >> "$FAKE_DIR/pids"; exec sleep 300; fi
+    "instar": """if [ -n "${FAKE_INSTAR_HANG:-}" ]; then  # until a TERM, which it logs
+    echo $$ >> "$FAKE_DIR/pids"
+    trap 'kill $sleeper; echo "$FAKE_NODE instar got TERM" >> "$FAKE_DIR/log"; exit 143' TERM
+    sleep 300 &
+    sleeper=$!
+    wait $sleeper
+fi
 exit "${FAKE_INSTAR_STATUS:-0}"
 """,
 }
@@ -83,6 +89,7 @@ class Job:
                         HOME=str(tmp_path),  # no ~/.ray/auth_token unless a test writes one
                         SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_SUBMIT_DIR=str(ROOT),
                         SLURM_CPUS_ON_NODE="32", SLURM_GPUS_PER_NODE="8",
+                        SLURM_JOB_NAME="instar-2node", SLURM_JOB_ID="77",
                         RECIPE="recipes/qwen3_4b_math_2node.yaml")
 
     def start(self, script: str, *args: str, **env: str) -> subprocess.Popen:
@@ -129,6 +136,10 @@ def job(tmp_path):
         os.kill(pid, signal.SIGKILL)
 
 
+RUN = "--logging.name instar-2node-77 --checkpoint.resume auto"
+"""What every `instar rl` the scripts run gets: a run directory a requeued job finds again."""
+
+
 def index(log: list[str], line: str) -> int:
     assert line in log, f"{line!r} not among the commands run:\n" + "\n".join(log)
     return log.index(line)
@@ -149,7 +160,7 @@ def test_two_nodes_head_workers_instar_then_ray_stop(job):
                       "--num-gpus=8 --block")
     worker = index(log, "gpu-b ray start --address=10.0.0.1:6379 --num-gpus=8 --block")
     run = index(log, "gpu-a instar rl --config recipes/qwen3_4b_math_2node.yaml "
-                     "--cluster.ray-address 10.0.0.1:6379 --train.steps 3")
+                     f"--cluster.ray-address 10.0.0.1:6379 {RUN} --train.steps 3")
     stops = [index(log, f"{node} ray stop") for node in ("gpu-a", "gpu-b")]
     assert head < worker < run < min(stops)
     assert len(ran(log, "ray start")) == 2
@@ -170,7 +181,7 @@ def test_engine_nodes_split_engines_from_trainer_ranks(job):
     index(log, 'gpu-b ray start --address=10.0.0.1:6379 --num-gpus=8 --resources={"engine": 8} '
                "--block")
     index(log, "gpu-a instar rl --config recipes/qwen3_4b_math_2node.yaml --cluster.ray-address "
-               "10.0.0.1:6379 --rollout.placement disaggregated --cluster.engine-resource engine "
+               f"10.0.0.1:6379 {RUN} --rollout.placement disaggregated --cluster.engine-resource engine "
                "--cluster.trainer-resource trainer")
 
 
@@ -203,7 +214,7 @@ def test_one_node_in_a_container(job):
     index(log, "gpu-a ray start --head --node-ip-address=10.0.0.1 --port=6379 "
                "--num-gpus=4 --block")
     index(log, "gpu-a instar rl --config recipes/qwen3_4b_math_1node.yaml "
-               "--cluster.ray-address 10.0.0.1:6379")
+               f"--cluster.ray-address 10.0.0.1:6379 {RUN}")
     assert len(ran(log, "ray start")) == 1
     assert ran(log, "ray stop") == ["gpu-a ray stop"]
     container = (f"--container-image=registry#instar+gpu --container-name=instar "
@@ -216,7 +227,7 @@ def test_instar_failure_stops_ray_everywhere(job):
     assert status == 3
     log = job.log()
     run = index(log, "gpu-a instar rl --config recipes/qwen3_4b_math_2node.yaml "
-                     "--cluster.ray-address 10.0.0.1:6379")
+                     f"--cluster.ray-address 10.0.0.1:6379 {RUN}")
     assert index(log, "gpu-a ray stop") > run and index(log, "gpu-b ray stop") > run
     assert "stopping Ray on gpu-a gpu-b (exit status 3)" in err
     assert job.leftover() == []
@@ -250,8 +261,9 @@ def test_cancellation_stops_ray_and_ends_the_steps(job):
     proc.send_signal(signal.SIGTERM)  # what scancel (or --signal=B:TERM) does
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 143, err
-    index(job.log(), "gpu-a ray stop")
-    index(job.log(), "gpu-b ray stop")
+    log = job.log()  # instar gets the TERM (to checkpoint) and ends before Ray is stopped
+    assert index(log, "gpu-a instar got TERM") < min(index(log, f"{node} ray stop")
+                                                     for node in ("gpu-a", "gpu-b"))
     assert job.leftover() == []
 
 

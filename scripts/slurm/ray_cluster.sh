@@ -3,9 +3,13 @@
 #   1. start a Ray head on the job's first node and a Ray worker on each other node;
 #   2. wait until Ray reports every node and all their GPUs;
 #   3. run `instar rl --config "$RECIPE" --cluster.ray-address HEAD:PORT` on the first node,
-#      with the arguments given to sbatch after the script's name (they override the recipe);
-#   4. on exit, failure or SIGTERM (scancel, or --signal before the time limit): `ray stop` on
-#      every node, then end the background steps. The job exits with instar's status.
+#      with the arguments given to sbatch after the script's name (they override the recipe),
+#      in the run directory $INSTAR_RUN_NAME (default JOBNAME-JOBID) with
+#      `--checkpoint.resume auto`: a requeued job (same id) continues from its last checkpoint;
+#   4. on SIGTERM (preemption, scancel, or --signal=B:TERM before the time limit): pass it on
+#      to instar, which finishes its step, checkpoints and exits; then, as on any exit or
+#      failure, `ray stop` on every node and end the background steps. The job exits with
+#      instar's status.
 #
 # Knobs (environment variables; sbatch passes the submitting shell's environment on):
 #   RECIPE            recipe YAML, relative to the submit directory (required)
@@ -17,6 +21,8 @@
 #                     Ray packs engines and ranks onto the nodes as they fit)
 #   CONTAINER_IMAGE   run every step in this image through pyxis (srun --container-image)
 #   CONTAINER_MOUNTS  pyxis mounts (default: the submit directory, at the same path)
+#   INSTAR_RUN_NAME   the run directory's name (--logging.name); give a finished job's name to
+#                     a new job to continue that run from its last checkpoint
 # Every srun option is written --name=value.
 set -euo pipefail
 
@@ -86,8 +92,17 @@ cleanup() {
     wait || true
     exit "$status"
 }
+instar_step=""
+preempted() {  # instar checkpoints at the end of its step on SIGTERM (srun passes it on)
+    if [ -n "$instar_step" ]; then
+        echo "instar: SIGTERM: instar checkpoints at the end of its step, then exits" >&2
+        kill -TERM "$instar_step" 2>/dev/null || true
+        wait "$instar_step" || true
+    fi
+    exit 143
+}
 trap cleanup EXIT
-trap 'exit 143' TERM
+trap preempted TERM
 trap 'exit 130' INT
 
 wait_for_nodes() {  # wait_for_nodes N: until `ray status` lists N nodes and N * GPUS_PER_NODE GPUs
@@ -122,5 +137,8 @@ for ((i = 1; i < ${#nodes[@]}; i++)); do
 done
 wait_for_nodes "${#nodes[@]}"
 
-start "$head" instar rl --config "$RECIPE" --cluster.ray-address "$address" "${placement[@]}" "$@"
-wait "$!"  # in the background so that a TERM is handled at once
+run_name=${INSTAR_RUN_NAME:-${SLURM_JOB_NAME:-instar}-${SLURM_JOB_ID:-0}}
+start "$head" instar rl --config "$RECIPE" --cluster.ray-address "$address" \
+    --logging.name "$run_name" --checkpoint.resume auto "${placement[@]}" "$@"
+instar_step=$!
+wait "$instar_step"  # in the background so that a TERM is handled at once
