@@ -55,6 +55,9 @@ class Batch:
 
 
 MAX_RESTARTS = 3
+EPISODES_PER_ENGINE = 256
+"""Episodes running at once per engine (each has a thread and an event loop of its own: see
+AgentThread); `run` over a large dataset queues the others."""
 
 
 class Rollouts:
@@ -72,6 +75,7 @@ class Rollouts:
         self.agent_cls, self.agent_config, self.tokenizer = agent_cls, agent_config, tokenizer
         self.versions = Versions()
         self.router = Router(engines, self.versions, hang_s=hang_s)
+        self.slots = asyncio.Semaphore(EPISODES_PER_ENGINE * len(engines))
         self.limits = {k: v for k, v in limits.items() if v is not None}
         self.max_model_len = max_model_len
         self.on_failure, self.max_retries = on_failure, max_retries
@@ -117,8 +121,9 @@ class Rollouts:
 
     async def _episode(self, task: Task, sampling: dict, rollout_id: str,
                        group_id: str) -> list[Sample]:
-        agent = self._agent()
+        await self.slots.acquire()
         try:
+            agent = self._agent()
             if self.gateway is None:
                 generate = lambda ids, s, im: self.router.generate(rollout_id, ids, s, im)  # noqa: E731
                 return [await run_env_episode(agent, task, generate, self.tokenizer, sampling,
@@ -127,6 +132,7 @@ class Rollouts:
                                           group_id)
         finally:
             self.router.release(rollout_id)
+            self.slots.release()
 
     async def _one(self, task: Task, sampling: dict, rollout_id: str, group_id: str,
                    batch: Batch) -> bool:
