@@ -117,8 +117,9 @@ def serve(cfg: Config) -> None:
     the --rollout.* settings, until Ctrl-C (or SIGTERM); then the sessions are written."""
     path, out, r = model_path(cfg), run_dir(cfg, "serve"), cfg.rollout
     with engines(cfg, path) as policy:
-        gateway = Gateway(Router(policy, Versions()).generate, AutoTokenizer.from_pretrained(path),
-                          model=path.name, max_model_len=r.max_model_len).start()
+        gateway = Gateway(Router(policy, Versions(), hang_s=r.hang_s).generate,
+                          AutoTokenizer.from_pretrained(path), model=path.name,
+                          max_model_len=r.max_model_len, max_body_mb=r.max_request_mb).start()
         try:
             sids = [gateway.open_session(f"serve-{i}", "serve", sampling(cfg), 10**6,
                                          r.max_model_len) for i in range(cfg.serve.sessions)]
