@@ -258,7 +258,7 @@ class CheckpointConfig:
     """Export the trained model as a Hugging Face folder `final/` in the run directory."""
     every: int = 0
     """Save a checkpoint (sharded model, optimizer, RNG, data position) every this many steps
-    into the run directory's `checkpoints/` (0: never)."""
+    into the run directory's `checkpoints/` (0: never; a SIGTERM saves one whatever this is)."""
     keep: int = 2
     """Checkpoints kept (the newest)."""
     resume: str = ""
