@@ -1,13 +1,13 @@
 """Chat-template rendering shared by the Env loop and the gateway (token-exact continuation).
 
-Message text is tokenised as literal text: `<|im_start|>system` typed by a user, returned by a
-tool or written by an Env is never the template's control token. When some text holds a
-special token's string, each text is wrapped in unguessable marks before rendering, and the
-rendered string is tokenised piece by piece: the template's own text with its special
-tokens, the marked text with them split (`split_special_tokens`). Added tokens that are not
-special (Qwen's `<tool_call>`) still tokenise as themselves.
+Message text is tokenised as literal text: `<|im_start|>system` or `</tool_response>` typed
+by a user, returned by a tool or written by an Env is never the template's control token.
+When some text holds an added token's string, each text is wrapped in unguessable marks
+before rendering, and the rendered string is tokenised piece by piece: the template's own
+text as usual, the marked text with every added token's string broken in two.
 """
 
+import functools
 import json
 import re
 import secrets
@@ -32,12 +32,19 @@ def _marked(messages: list[Message]) -> list[Message]:
             if isinstance(m.get("content"), str | list) else m for m in messages]
 
 
+@functools.cache
+def _added(tokenizer) -> re.Pattern:
+    """The strings of the tokenizer's added tokens (special or not), longest first."""
+    tokens = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, tokens)) + ")")
+
+
 def _literal(tokenizer, messages: list[Message]) -> bool:
-    """Whether some message text holds a special token's string (then it is rendered marked)."""
+    """Whether some message text holds an added token's string (then it is rendered marked)."""
     texts = [c if isinstance(c := m.get("content"), str) else "" for m in messages] + [
         p["text"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]
         if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    return any(token in text for text in texts for token in tokenizer.all_special_tokens)
+    return any(_added(tokenizer).search(text) for text in texts)
 
 
 def render(tokenizer, messages: list[Message], tools: list[dict] | None,
@@ -62,8 +69,12 @@ def encode(tokenizer, text: str) -> list[int]:
     for part in _MARKS.split(text):
         if part in (_OPEN, _CLOSE):
             inside = part == _OPEN
-        elif part:
-            ids += tokenizer.encode(part, add_special_tokens=False, split_special_tokens=inside)
+            continue
+        pieces = [part]
+        if inside:  # "<tool_call>" as "<" and "tool_call>": no piece is an added token
+            pieces = [p for i, piece in enumerate(_added(tokenizer).split(part))
+                      for p in ([piece[:1], piece[1:]] if i % 2 else [piece])]
+        ids += [t for p in pieces if p for t in tokenizer.encode(p, add_special_tokens=False)]
     return ids
 
 
