@@ -3,6 +3,7 @@ tasks), rollout (no training), serve (engine + gateway), make-model (build a tin
 
 import argparse
 import dataclasses
+import importlib.metadata
 import signal
 import sys
 from dataclasses import dataclass
@@ -40,7 +41,22 @@ other sections keep their defaults (or the recipe's values), so every setting ha
 name and one default in all commands."""
 
 
-def parse(command: str, argv: list[str], description: str) -> tuple[Config, bool]:
+HELP = {
+    "rl": "Train an agent with RL.",
+    "sft": "Supervised fine-tuning on chat data. Rows {messages, tools} from --data.train; loss "
+           "on assistant tokens.",
+    "eval": "Evaluate a checkpoint on held-out tasks, without training. --model.path on "
+            "--data.eval, with the run's eval settings (--eval.*).",
+    "rollout": "Run an agent over tasks, without training. --rollout.group-size episodes of each "
+               "task of --data.train; the samples go to the run directory.",
+    "serve": "Serve the engines behind the gateway. Prints the base URLs and the key; on Ctrl-C "
+             "writes the sessions to the run directory.",
+    "make-model": "Build a built-in tiny checkpoint from a seed. Qwen3 dense or MoE, or Qwen2-VL.",
+}
+"""What each command does: its --help, and a line of `instar --help`."""
+
+
+def parse(command: str, argv: list[str]) -> tuple[Config, bool]:
     """The run config from a recipe and flags; exits with a clear message if it is invalid."""
     sections = SECTIONS[command]
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -56,7 +72,7 @@ def parse(command: str, argv: list[str], description: str) -> tuple[Config, bool
     flags = dataclasses.make_dataclass(f"{command}_flags", [(s, types[s]) for s in sections])
     parsed = tyro.cli(flags, args=rest, default=flags(*(getattr(cfg, s) for s in sections)),
                       prog=f"instar {command}",
-                      description=description + " Extra flags: --config recipe.yaml (defaults "
+                      description=HELP[command] + " Extra flags: --config recipe.yaml (defaults "
                       "from a YAML recipe), --print-config (print and exit).")
     cfg = dataclasses.replace(cfg, **{s: getattr(parsed, s) for s in sections})
     try:
@@ -70,7 +86,7 @@ def parse(command: str, argv: list[str], description: str) -> tuple[Config, bool
 
 
 def rl(argv: list[str]) -> None:
-    cfg, printed = parse("rl", argv, "Train an agent with RL.")
+    cfg, printed = parse("rl", argv)
     if printed:
         return
     from instar.loop import run
@@ -80,8 +96,7 @@ def rl(argv: list[str]) -> None:
 
 
 def sft(argv: list[str]) -> None:
-    cfg, printed = parse("sft", argv, "Supervised fine-tuning on chat JSONL (--data.train; rows "
-                         "{messages, tools}), loss on assistant tokens.")
+    cfg, printed = parse("sft", argv)
     if printed:
         return
     from instar.sft import run_sft
@@ -93,29 +108,29 @@ def sft(argv: list[str]) -> None:
 
 
 def eval_(argv: list[str]) -> None:
-    cfg, printed = parse("eval", argv, "Evaluate a checkpoint (--model.path) on held-out tasks "
-                         "(--data.eval) with the run's eval settings (--eval.*), no training.")
+    cfg, printed = parse("eval", argv)
     if printed:
         return
     from instar.jobs import evaluate_model
 
-    evaluate_model(cfg)
+    result = evaluate_model(cfg)
+    if result["failed"] and sum(result["failed"].values()) == result["tasks"] * cfg.eval.samples:
+        sys.exit(f"instar eval: every episode failed: {result['failed']}")
 
 
 def rollout(argv: list[str]) -> None:
-    cfg, printed = parse("rollout", argv, "Run an agent over tasks (--data.train), "
-                         "--rollout.group-size episodes each, no training; write the samples "
-                         "to the run directory (--logging.root/--logging.name).")
+    cfg, printed = parse("rollout", argv)
     if printed:
         return
     from instar.jobs import rollout
 
-    rollout(cfg)
+    summary = rollout(cfg)
+    if summary["failed"] and not summary["episodes"]:
+        sys.exit(f"instar rollout: every episode failed: {summary['failed']}")
 
 
 def serve(argv: list[str]) -> None:
-    cfg, printed = parse("serve", argv, "Serve the engines behind the gateway; print the base "
-                         "URLs and the key; on Ctrl-C write the sessions to the run directory.")
+    cfg, printed = parse("serve", argv)
     if printed:
         return
     from instar.jobs import serve
@@ -148,7 +163,7 @@ def print_summary(s: dict) -> None:
 def make_model(argv: list[str]) -> None:
     from instar.tasks.tiny_model import build_model
 
-    args = tyro.cli(MakeModel, args=argv, prog="instar make-model")
+    args = tyro.cli(MakeModel, args=argv, prog="instar make-model", description=HELP["make-model"])
     print(build_model(args.out, args.kind, args.size, args.seed))
 
 
@@ -156,10 +171,23 @@ COMMANDS = {"rl": rl, "sft": sft, "eval": eval_, "rollout": rollout, "serve": se
             "make-model": make_model}
 
 
+def usage() -> str:
+    lines = [f"  {name:<11} {HELP[name].split('. ')[0].rstrip('.')}" for name in COMMANDS]
+    return ("usage: instar COMMAND [--help] [flags]\n\ncommands:\n" + "\n".join(lines)
+            + "\n\n`instar COMMAND --help` lists a command's flags.")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--help"], ["-h"]):
+        print(usage())
+        return
+    if argv[:1] == ["--version"]:
+        print(f"instar {importlib.metadata.version('instar')}")
+        return
     if not argv or argv[0] not in COMMANDS:
-        sys.exit(f"usage: instar {{{','.join(COMMANDS)}}} [--help]")
+        print(usage(), file=sys.stderr)
+        sys.exit(2)
     try:
         with command():  # no process of the command outlives it (instar/processes.py)
             COMMANDS[argv[0]](argv[1:])

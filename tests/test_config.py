@@ -192,11 +192,11 @@ def test_a_registered_estimator_is_a_choice(monkeypatch, capsys):
     def batch_mean(x):
         return (advantages.returns_BT(x) - x.rewards_B.mean()) * x.mask_BT
 
-    cfg, _ = parse("rl", ["--algo.estimator", "batch_mean"], "")
+    cfg, _ = parse("rl", ["--algo.estimator", "batch_mean"])
     assert cfg.algo.estimator == "batch_mean"
     assert "batch_mean" in help_entries("rl", monkeypatch, capsys)["--algo.estimator"]
     with pytest.raises(SystemExit):
-        parse("rl", ["--algo.estimator", "batch_men"], "")
+        parse("rl", ["--algo.estimator", "batch_men"])
     assert "batch_mean" in capsys.readouterr().err
     cfg.algo.estimator = "batch_men"
     with pytest.raises(ValueError, match="'batch_men' is unknown; known: .*, batch_mean"):
@@ -241,15 +241,15 @@ def test_cli_config_error_is_a_clear_message():
 
 @pytest.mark.parametrize("command", ["eval", "rollout"])
 def test_one_episode_per_task_is_fine_without_training(command):
-    cfg, _ = parse(command, ["--rollout.group-size", "1"], "")
+    cfg, _ = parse(command, ["--rollout.group-size", "1"])
     assert cfg.rollout.group_size == 1
     with pytest.raises(SystemExit):
-        parse(command, ["--rollout.group-size", "0"], "")
+        parse(command, ["--rollout.group-size", "0"])
 
 
 @pytest.mark.parametrize("command", ["rl", "eval", "rollout"])
 def test_agent_shorthand_flag(command):
-    cfg, _ = parse(command, ["--agent", "examples/calculator_env.py"], "")
+    cfg, _ = parse(command, ["--agent", "examples/calculator_env.py"])
     assert cfg.agent.file == "examples/calculator_env.py"
 
 
@@ -258,8 +258,33 @@ def test_a_command_prints_and_sets_only_its_sections(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("train:\n  steps: 7\nrollout:\n  max_tokens: 64\n")
     cfg, printed = parse("rollout", ["--config", str(recipe), "--rollout.group-size", "2",
-                                     "--print-config"], "")
+                                     "--print-config"])
     assert printed and (cfg.train.steps, cfg.rollout.max_tokens, cfg.rollout.group_size) == (7, 64, 2)
     assert list(yaml.safe_load(capsys.readouterr().out)) == list(SECTIONS["rollout"])
     with pytest.raises(SystemExit):
-        parse("rollout", ["--train.steps", "3"], "")  # not a flag of rollout
+        parse("rollout", ["--train.steps", "3"])  # not a flag of rollout
+
+
+def test_instar_help_lists_the_commands_and_version_prints(capsys):
+    main(["--help"])  # exits 0: returns
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in ("rl", "sft", "eval", "rollout", "serve",
+                                                "make-model"))
+    main(["--version"])
+    assert re.fullmatch(r"instar \d+\.\d+\.\d+\n", capsys.readouterr().out)
+    for argv in ([], ["trian"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "commands:" in capsys.readouterr().err
+
+
+def test_rollout_exits_nonzero_when_every_episode_failed(monkeypatch):
+    import instar.jobs
+
+    monkeypatch.setattr(instar.jobs, "rollout", lambda cfg: {"episodes": 0, "failed": {
+        "agent_error": 8}})
+    with pytest.raises(SystemExit, match="every episode failed: {'agent_error': 8}"):
+        main(["rollout"])
+    monkeypatch.setattr(instar.jobs, "rollout", lambda cfg: {"episodes": 7, "failed": {
+        "agent_error": 1}})
+    main(["rollout"])  # some episodes ran: exit 0
