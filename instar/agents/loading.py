@@ -1,6 +1,7 @@
 """Load a user's agent file and task data. No torch, no ray."""
 
 import importlib.util
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -25,6 +26,10 @@ def load_agent(spec: str) -> type[Env] | type[ChatAgent]:
             and runner not in (Env, ChatAgent)):
         raise TypeError(f"{path} must define {name or 'AgentRunner'} as a subclass of "
                         "instar.Env or instar.ChatAgent (e.g. `AgentRunner = MyEnv`)")
+    for hook in ("run",) if issubclass(runner, ChatAgent) else ("reset", "step"):
+        if not inspect.iscoroutinefunction(getattr(runner, hook)):  # (the Gymnasium habit)
+            raise TypeError(f"{path}: {runner.__name__}.{hook} must be `async def {hook}(...)`: "
+                            "instar awaits it")
     return runner
 
 
@@ -35,8 +40,11 @@ def load_tasks(path: str) -> list[Task]:
         for i, line in enumerate(f):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if "prompt" not in row:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}, column {e.colno})") from e
+            if not isinstance(row, dict) or "prompt" not in row:
                 raise ValueError(f"{path}:{i + 1}: a task row needs a 'prompt' field")
             tasks.append(Task(prompt=row["prompt"], label=row.get("label"),
                               id=str(row.get("id", i)), data=row))
