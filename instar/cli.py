@@ -65,7 +65,10 @@ def parse(command: str, argv: list[str]) -> tuple[Config, bool]:
     if "agent" in sections:
         pre.add_argument("--agent", default=None)
     known, rest = pre.parse_known_args(argv)
-    cfg = load_yaml(known.config) if known.config else Config()
+    try:
+        cfg = load_yaml(known.config) if known.config else Config()
+    except ValueError as e:
+        sys.exit(f"instar {command}: config error: {e}")
     if getattr(known, "agent", None):
         cfg.agent.file = known.agent
     types = {f.name: f.type for f in dataclasses.fields(Config)}

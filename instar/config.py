@@ -12,6 +12,8 @@ its --help; a setting has the same flag, and the same default, in every command:
 
 import dataclasses
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -473,20 +475,50 @@ class Config:
         return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
 
 
-def from_dict(cls, values: dict[str, Any]):
-    """Build a (nested) config dataclass from a dict, refusing unknown keys."""
+def _typed(key: str, kind, value):
+    """`value` as a setting of type `kind`, or a ValueError that names `key`."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Annotated:
+        return _typed(key, args[0], value)
+    if origin is types.UnionType:  # X | None
+        return None if value is None else _typed(key, args[0], value)
+    if origin is Literal and value in args:
+        return value
+    if kind is float and not isinstance(value, bool):  # (YAML 1.1 reads 1e-6 as a string)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    if kind in (int, str, bool) and type(value) is kind or origin in (list, dict) and \
+            isinstance(value, origin):
+        return value
+    want = f"one of {list(args)}" if origin is Literal else getattr(kind, "__name__", str(kind))
+    raise ValueError(f"{key}: expected {want}, got {value!r}")
+
+
+def from_dict(cls, values: dict[str, Any], prefix: str = ""):
+    """Build a (nested) config dataclass from a dict: unknown keys and values of the wrong type
+    are refused, naming the key (e.g. `train.lr`)."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{prefix[:-1] or 'the config'}: expected a mapping of settings, got "
+                         f"{values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(values) - set(fields)
-    if unknown:
-        raise ValueError(f"unknown config keys for {cls.__name__}: {sorted(unknown)}; "
-                         f"known: {sorted(fields)}")
+    if unknown := sorted(set(values) - set(fields)):
+        raise ValueError(f"unknown config key {prefix}{unknown[0]}; known here: {sorted(fields)}")
     kwargs = {}
     for name, value in values.items():
-        sub = fields[name].type
-        kwargs[name] = from_dict(sub, value) if dataclasses.is_dataclass(sub) else value
+        kind, key = fields[name].type, prefix + name
+        kwargs[name] = from_dict(kind, value, key + ".") if dataclasses.is_dataclass(kind) \
+            else _typed(key, kind, value)
     return cls(**kwargs)
 
 
 def load_yaml(path: str) -> Config:
-    with open(path) as f:
-        return from_dict(Config, yaml.safe_load(f) or {})
+    """A recipe; errors (no such file, bad YAML, a wrong key or type) as one ValueError."""
+    try:
+        with open(path) as f:
+            return from_dict(Config, yaml.safe_load(f) or {})
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read the recipe {path}: {e}") from e
+    except ValueError as e:
+        raise ValueError(f"recipe {path}: {e}") from e

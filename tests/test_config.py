@@ -112,8 +112,33 @@ def test_yaml_recipe_and_unknown_keys(tmp_path):
     recipe.write_text("train:\n  steps: 3\nrollout:\n  group_size: 4\n")
     cfg = load_yaml(str(recipe))
     assert (cfg.train.steps, cfg.rollout.group_size, cfg.train.lr) == (3, 4, Config().train.lr)
-    with pytest.raises(ValueError, match="unknown config keys for TrainConfig: \\['stepz'\\]"):
+    with pytest.raises(ValueError, match="unknown config key train.stepz"):
         from_dict(Config, {"train": {"stepz": 3}})
+
+
+@pytest.mark.parametrize("text, error", [
+    ("train:\n  lr: 1e-6\n", None),  # YAML 1.1 reads this as a string: it is a float here
+    ("train:\n  steps: ten\n", "recipe .*: train.steps: expected int, got 'ten'"),
+    ("rollout:\n  placement: split\n", "rollout.placement: expected one of \\['colocated'"),
+    ("train: [1]\n", "train: expected a mapping"),
+    ("train:\n  lr: [\n", "cannot read the recipe"),
+])
+def test_a_recipe_is_typed_and_its_errors_name_the_key(tmp_path, capsys, text, error):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    if error is None:
+        assert load_yaml(str(recipe)).train.lr == 1e-6
+        return
+    with pytest.raises(ValueError, match=error):
+        load_yaml(str(recipe))
+    with pytest.raises(SystemExit, match="instar rl: config error: "):  # one line, no traceback
+        parse("rl", ["--config", str(recipe)])
+
+
+def test_a_missing_recipe_is_one_line():
+    with pytest.raises(SystemExit, match="instar rl: config error: cannot read the recipe "
+                                         "missing.yaml"):
+        parse("rl", ["--config", "missing.yaml"])
 
 
 FLAGS = {  # every flag of each section, as --help shows it
