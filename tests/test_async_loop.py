@@ -1,16 +1,15 @@
-"""The asynchronous loop survives what kills processes, as whole `instar rl` runs: an engine
+"""The asynchronous loop survives what stops processes, as whole `instar rl` runs: an engine
 killed mid-run is restarted and given the current weights while training goes on; a run
-killed mid-step (driver, Ray and actors) resumes from its checkpoint (`--checkpoint.resume
-auto`), is preempted (SIGTERM), saves a checkpoint at the end of its step, exits, and resumed
-again it has trained on exactly the prompts, step by step, of the run that was never
-interrupted, keeping only its newest checkpoint. Every run but the killed one leaves no
-process and no /dev/shm folder behind. (Bounded staleness: tests/test_stream.py and
-tests/test_rl_cli.py.)"""
+preempted mid-run (SIGTERM, as Slurm does) saves a checkpoint at the end of its step and
+exits, and resumed (`--checkpoint.resume auto`) it has trained on exactly the prompts, step
+by step, of the run that was never interrupted, keeping only its newest checkpoint. No run
+leaves a process or a /dev/shm folder behind. (A checkpoint a crash cut short, and exact
+resume from the one before: tests/test_checkpoint.py. Bounded staleness: tests/test_stream.py
+and tests/test_rl_cli.py.)"""
 
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -60,7 +59,7 @@ def wait_for(proc: subprocess.Popen, done, what: str, timeout=600) -> None:
         time.sleep(0.2)
 
 
-def test_an_engine_killed_mid_run_and_a_run_killed_or_preempted_change_no_prompt(tmp_path):
+def test_an_engine_killed_mid_run_and_a_preempted_run_change_no_prompt(tmp_path):
     # the whole run, whose engine is killed after step 2: Ray restarts it, the router gives it
     # the current weights, its episodes start again, and the run goes on
     whole = start(tmp_path, "whole")
@@ -71,32 +70,16 @@ def test_an_engine_killed_mid_run_and_a_run_killed_or_preempted_change_no_prompt
                if "ray::Engine" in " ".join(p.cmdline())]
     assert len(engines) == 1
     os.kill(engines[0].pid, signal.SIGKILL)
-    # meanwhile, the same run killed whole (driver, Ray and its actors) in step 3: a SIGKILL
-    # leaves its /dev/shm folder, which the next command does not know of
+    # meanwhile, the same run preempted once it has logged step 2: it checkpoints the step in
+    # progress and exits; resumed, it finishes
     cut = start(tmp_path, "cut")
-    checkpoints = tmp_path / "cut" / "checkpoints"
-    wait_for(cut, lambda: (checkpoints / "latest").exists() and
-             (checkpoints / "latest").read_text().strip().endswith("2"), "its checkpoint of step 2")
-    family = psutil.Process(cut.pid).children(recursive=True)
-    os.killpg(cut.pid, signal.SIGKILL)
-    for p in family:
-        if p.is_running():
-            p.kill()
-    cut.wait()
-    for folder in glob.glob(f"/dev/shm/instar-{cut.pid}-*"):
-        shutil.rmtree(folder)
-    finish(whole)
-
-    # resumed, then preempted once it has logged a step: it checkpoints that step's successor
-    # (the step in progress) and exits; resumed again, it finishes
-    lines = tmp_path / "cut" / "metrics.jsonl"
-    logged = len(lines.read_text().splitlines())
-    preempted = start(tmp_path, "cut", "--checkpoint.resume", "auto")
-    wait_for(preempted, lambda: len(lines.read_text().splitlines()) > logged, "a step")
-    preempted.send_signal(signal.SIGTERM)
-    out = finish(preempted, 128 + signal.SIGTERM)
+    lines, checkpoints = tmp_path / "cut" / "metrics.jsonl", tmp_path / "cut" / "checkpoints"
+    wait_for(cut, lambda: lines.exists() and len(step_lines(tmp_path / "cut")) >= 2, "step 2")
+    cut.send_signal(signal.SIGTERM)
+    out = finish(cut, 128 + signal.SIGTERM)
     saved = int((checkpoints / "latest").read_text().strip().removeprefix("step-"))
-    assert saved == max(step_lines(tmp_path / "cut")) and f"checkpoint of step {saved}" in out
+    assert saved == max(step_lines(tmp_path / "cut")) < 5 and f"checkpoint of step {saved}" in out
+    finish(whole)
     finish(start(tmp_path, "cut", "--checkpoint.resume", "auto"))
 
     metrics = step_lines(tmp_path / "whole")

@@ -36,8 +36,10 @@ time.sleep(600)
 """
 
 DRIVER = f"""
-import os, subprocess, sys, time
+import os, signal, subprocess, sys, time
 from instar.processes import command, scratch_dir
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored if started in the background)
 
 with command():
     open(os.path.join(scratch_dir(), "weights"), "w").close()
