@@ -29,14 +29,14 @@ SAMPLING = {"temperature": 1.0, "max_tokens": 4}
 class FakeEngine:
     """Stands in for a Ray engine actor: `generate.remote(...)` is awaitable."""
 
-    def __init__(self, tokenizer, text="Score: 7", fail=None, check_loop=True):
-        self.text, self.fail, self.check_loop = text, fail, check_loop
+    def __init__(self, tokenizer, text="Score: 7", fail=None):
+        self.text, self.fail = text, fail
         self.ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
         self.generate = SimpleNamespace(remote=self._generate)
 
     async def _generate(self, ids, sampling, version, images=()):
-        if self.check_loop:  # the Router and Ray futures live on the rollout loop
-            assert threading.current_thread().name == "rollouts"
+        # the Router and Ray futures live on the rollout loop (the gateway's calls hop to it)
+        assert threading.current_thread().name == "rollouts"
         if self.fail:
             raise self.fail
         return SimpleNamespace(token_ids=self.ids, logprobs=[-1.0] * len(self.ids),
@@ -146,8 +146,7 @@ def test_a_stuck_agent_times_out_and_holds_up_no_other_episode(agent_cls, how, t
     tasks = [Task(prompt="stuck", id="stuck", data={"how": how, "gates": gates})] + \
         [Task(prompt=f"task {i}", id=str(i), data={"gates": gates}) for i in range(3)]
     tag = f"{agent_cls.__name__}-{how}"
-    # (the gateway calls the engine from its own thread)
-    batch, _ = rollouts(agent_cls, tokenizer, tasks, tag, check_loop=agent_cls is Stuck)
+    batch, _ = rollouts(agent_cls, tokenizer, tasks, tag)
     assert not gates.unstuck.is_set()  # all of the below happened while it was stuck:
     assert dict(batch.failed) == {"timeout": 1}
     assert [e["rollout_id"] for e in batch.errors] == [f"{tag}-stuck-0"]
@@ -204,10 +203,9 @@ class HangsAfterAnError(ChatAgent):
 @pytest.mark.parametrize("agent_cls", [Judged, HangsAfterAnError])
 def test_engine_errors_are_not_agent_errors(tokenizer, agent_cls):
     """Even when the agent goes on to time out: the engine's failure is what happened."""
-    tag, check = agent_cls.__name__, agent_cls is Judged
+    tag = agent_cls.__name__
     with pytest.raises(RuntimeError, match="engine"):  # it stops the run
-        rollouts(agent_cls, tokenizer, TASKS[:1], tag, fail=RuntimeError("engine down"),
-                 check_loop=check)
-    batch, _ = rollouts(agent_cls, tokenizer, TASKS[:1], tag, fail=Requeue("stopped"),
-                        check_loop=check)  # restarted, then given up on
+        rollouts(agent_cls, tokenizer, TASKS[:1], tag, fail=RuntimeError("engine down"))
+    batch, _ = rollouts(agent_cls, tokenizer, TASKS[:1], tag,
+                        fail=Requeue("stopped"))  # restarted, then given up on
     assert batch.restarted == MAX_RESTARTS + 1 and dict(batch.failed) == {"restarts": 1}
