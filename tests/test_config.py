@@ -313,3 +313,15 @@ def test_rollout_exits_nonzero_when_every_episode_failed(monkeypatch):
     monkeypatch.setattr(instar.jobs, "rollout", lambda cfg: {"episodes": 7, "failed": {
         "agent_error": 1}})
     main(["rollout"])  # some episodes ran: exit 0
+
+
+def test_eval_exits_nonzero_when_every_episode_failed(monkeypatch):
+    import instar.jobs
+
+    monkeypatch.setattr(instar.jobs, "evaluate_model", lambda cfg: {"tasks": 2, "failed": {
+        "timeout": 2 * cfg.eval.samples}})
+    with pytest.raises(SystemExit, match="every episode failed: {'timeout': 2}"):
+        main(["eval"])
+    monkeypatch.setattr(instar.jobs, "evaluate_model", lambda cfg: {"tasks": 2, "failed": {
+        "timeout": 1}})
+    main(["eval", "--eval.samples", "2"])  # 1 of 4 failed: exit 0
