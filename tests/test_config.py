@@ -77,6 +77,8 @@ def changed(**settings) -> Config:
     (dict(eval__size=0, eval__temperature=0.6), "--eval.temperature 0.6 has no effect"),
     (dict(eval__size=0, eval__max_tokens=64), "--eval.max-tokens 64 has no effect"),
     (dict(eval__size=0, eval__pass_threshold=0.5), "--eval.pass-threshold 0.5 has no effect"),
+    (dict(rollout__hang_s=-1.0), "--rollout.hang-s must be >= 0"),
+    (dict(rollout__max_request_mb=0.0), "--rollout.max-request-mb > 0"),
     (dict(checkpoint__keep=5), "--checkpoint.keep 5 has no effect unless --checkpoint.every > 0"),
     (dict(checkpoint__resume="newest"), "--checkpoint.resume takes auto"),
     (dict(checkpoint__resume=True, logging__name="run"), "--checkpoint.resume takes auto"),
