@@ -49,6 +49,12 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the engines and the trainer, and the dtype of the weights the engines
     load (the trainer's own weights: --train.master-dtype)."""
+    tool_parser: str = ""
+    """vLLM tool-call parser for the model's replies (a name of vLLM's ToolParserManager, e.g.
+    hermes, llama3_json, mistral). Empty: detected from the chat template."""
+    reasoning_parser: str = ""
+    """vLLM reasoning parser that separates "thinking" from the reply (a name of vLLM's
+    ReasoningParserManager, e.g. qwen3, deepseek_r1). Empty: detected from the chat template."""
 
 
 @dataclass
@@ -57,6 +63,10 @@ class DataConfig:
     """Training tasks, JSONL with at least `prompt`. Empty: the built-in task's data."""
     eval: str = ""
     """Held-out tasks for eval, JSONL. Empty: the built-in task's held-out data."""
+    prompt_key: str = "prompt"
+    """Column of the task data that holds the prompt."""
+    label_key: str = "label"
+    """Column of the task data that holds the label (passed to the agent as `task.label`)."""
     prompts_per_step: int = 16
     """Distinct tasks per training step (each is sampled `rollout.group_size` times)."""
     seed: int = 0
@@ -284,6 +294,9 @@ class LoggingConfig:
     """Write one group of samples to rollouts.jsonl every this many steps (and at step 1)."""
     plots: bool = True
     """At the end, draw PNG plots of the metrics into the run directory's plots/."""
+    print_every: int = 10
+    """When stdout is not a terminal (a Slurm log), print a plain metrics line every this many
+    steps (and at the first and last)."""
 
 
 @dataclass
