@@ -113,6 +113,8 @@ class RolloutConfig:
     engine that dies is restarted by Ray, given the current weights, and its episodes retried."""
     threads: int = 2
     """CPU threads of each engine (on a CPU machine)."""
+    tensor_parallel: int = 1
+    """GPUs of each engine (vLLM tensor parallelism; GPU only, disaggregated placement)."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """colocated: engines share devices (or cores) with the trainer ranks, and on GPUs sleep
     while it trains; disaggregated: engines and ranks each get their own."""
