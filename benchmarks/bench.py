@@ -89,6 +89,7 @@ def weights_for(w: Workload, base: Path, overrides: dict | None = None) -> Path:
     cfg = configure(Config(), overrides)
     cfg.data.train = reverse_data()[0]
     cfg.train.warmup_sft_steps, cfg.logging.progress = w.sft_steps, False
+    cfg.validate()
     with ray_for(""):
         return warmup(cfg, base, load_tasks(cfg.data.train), AutoTokenizer.from_pretrained(base))
 

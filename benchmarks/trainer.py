@@ -59,7 +59,7 @@ def plain(path: Path, seqs: list[Sequence], micro: int) -> Callable[[], None]:
 
 
 def instar(path: Path, ranks: int, threads: int, budget: int) -> Trainer:
-    cfg = Config()
+    cfg = Config().validate()
     cfg.train.num_ranks, cfg.train.threads_per_rank = ranks, threads
     cfg.train.micro_batch_tokens = budget
     return Trainer(cfg, str(path))

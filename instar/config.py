@@ -99,13 +99,15 @@ class RolloutConfig:
     within the group."""
     temperature: float = 1.0
     """Sampling temperature; the trainer applies the same one to its log-probs."""
-    max_tokens: int = 24
-    """Most new tokens per model turn."""
+    max_tokens: int | None = None
+    """Most new tokens per model turn. Default: 24 for the built-in model, 1024 with
+    --model.path."""
     ignore_eos: bool = False
     """Every model turn runs to `max_tokens`, past end-of-turn tokens (fixed-length responses,
     for benchmarks); what follows such a token is sampled and trained on like the rest."""
-    max_model_len: int = 1024
-    """Longest sequence (prompt and all turns) the engine accepts."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt and all turns) the engine accepts. Default: 1024 for the
+    built-in model, 4096 with --model.path."""
     kv_cache_gb: int = 1
     """KV-cache size of a CPU engine, GiB."""
     num_engines: int = 1
@@ -128,11 +130,12 @@ class RolloutConfig:
     partial: bool = True
     """At a weight update, requests in flight are paused and resume on the new weights (each
     token records its version); False: they are aborted and their episodes restarted."""
-    max_staleness: int = 1
+    max_staleness: int | None = None
     """How many weight versions a generated token may lag the policy it is trained with.
     0: strictly on-policy (generate, then train: no overlap); k > 0: episodes for the next k
     steps are generated while the trainer trains (admission control starts no episode that
-    could exceed the bound)."""
+    could exceed the bound). Default: 0 for engines colocated on GPUs (they sleep while the
+    trainer trains), else 1."""
     on_failure: Literal["drop_rollout", "drop_group", "retry"] = "drop_rollout"
     """When an agent fails (raises, times out): drop that rollout, drop its whole group, or
     retry it with a fresh environment (`max_retries` times, then drop it)."""
@@ -141,11 +144,13 @@ class RolloutConfig:
     preflight: int = 16
     """Before step 1, generate this many samples and rescore them in the trainer; a mismatch
     above `preflight_tol` stops the run with a diagnosis (0: skip)."""
-    preflight_tol: float = 1e-3
-    """Largest mean |engine - trainer| log-prob allowed in the preflight (bfloat16: ~3e-2)."""
-    sync_check_tol: float = 1e-4
+    preflight_tol: float | None = None
+    """Largest mean |engine - trainer| log-prob allowed in the preflight. Default by
+    --model.dtype: 1e-3 for float32, 3e-2 for bfloat16."""
+    sync_check_tol: float | None = None
     """After each weight sync, the most the engine's and trainer's log-probs of a fixed probe
-    sequence may differ before the run stops (float32: 1e-4; bfloat16 needs about 5e-2)."""
+    sequence may differ before the run stops. Default by --model.dtype: 1e-4 for float32,
+    5e-2 for bfloat16."""
     hang_s: float = 120.0
     """An engine with requests in flight that generates no token (or does not answer) for this
     long is taken for hung: killed, restarted by Ray with the current weights, and its
@@ -182,8 +187,9 @@ class TrainConfig:
     model.layers.N.mlp.gate.weight)."""
     threads_per_rank: int = 1
     """CPU threads of each rank's torch."""
-    lr: float = 1e-3
-    """AdamW peak learning rate."""
+    lr: float | None = None
+    """AdamW peak learning rate. Default: 1e-3 for the built-in model (a fresh tiny model),
+    1e-6 with --model.path (a pretrained one)."""
     lr_warmup_steps: int = 0
     """Steps of linear warm-up from 0 to `lr`."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -210,9 +216,11 @@ class TrainConfig:
     """MoE: each router of the policy's forward takes exactly the top-k experts the engine
     recorded for each token (GPU engines record them), with routing weights from the router's
     softmax at those experts, so the router still trains. No effect without recorded routing."""
-    warmup_sft_steps: int = 60
+    warmup_sft_steps: int | None = None
     """Supervised steps on the training tasks' labels before RL (0: none). The warmed-up
-    model is cached, keyed by the base model, data and these settings."""
+    model is cached, keyed by the base model, data and these settings. Default: 60 for the
+    built-in model (it starts from random weights), 0 with --model.path: nothing but RL
+    trains your model unless you ask."""
     warmup_sft_lr: float = 3e-3
     """Learning rate of the supervised warm-up."""
     warmup_sft_batch: int = 64
@@ -303,8 +311,9 @@ class LoggingConfig:
 
 @dataclass
 class ClusterConfig:
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Where the trainer and engines run: cpu (gloo) or cuda (nccl)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer and engines run: cpu (gloo) or cuda (nccl). auto: cuda if this
+    machine sees a GPU, else cpu (joining a Ray cluster from a machine without GPUs: set it)."""
     ray_address: str = ""
     """Ray cluster to join: "auto" (the one `ray start` made on this machine, or RAY_ADDRESS)
     or HOST:PORT of its head. Empty: a Ray of this machine's own for the run."""
@@ -343,13 +352,37 @@ class Config:
         return self.data.prompts_per_step * self.rollout.group_size
 
     def validate(self, rl: bool = True) -> "Config":
-        """Refuse out-of-range, contradictory or silently ignored settings; each message names
-        the flag to change. `rl`: the settings are for RL training (a group needs two samples
-        for a baseline; `instar rollout` and `instar eval` may take one)."""
+        """Fill in the defaults that depend on the model (`resolved_defaults`), then refuse
+        out-of-range, contradictory or silently ignored settings; each message names the flag
+        to change. `rl`: the settings are for RL training (a group needs two samples for a
+        baseline; `instar rollout` and `instar eval` may take one)."""
+        for name, value in self.resolved_defaults().items():
+            section, key = name.split(".")
+            if getattr(getattr(self, section), key) in (None, "auto"):
+                setattr(getattr(self, section), key, value)
         self._check_ranges(rl)
         self._check_combinations()
         self._check_ignored()
         return self
+
+    def resolved_defaults(self) -> dict[str, Any]:
+        """The defaults that depend on the model, its dtype and the devices: what a setting
+        left unset (None, or --cluster.device auto) becomes. The built-in model is a fresh tiny
+        one that needs a supervised warm-up, a high learning rate and short replies; a
+        pretrained model (--model.path) gets a pretrained model's RL settings."""
+        own, bf16, device = bool(self.model.path), self.model.dtype == "bfloat16", self.cluster.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return {"cluster.device": device, "train.lr": 1e-6 if own else 1e-3,
+                "train.warmup_sft_steps": 0 if own else 60,
+                "rollout.max_tokens": 1024 if own else 24,
+                "rollout.max_model_len": 4096 if own else 1024,
+                "rollout.max_staleness": int(not (device == "cuda" and
+                                                  self.rollout.placement == "colocated")),
+                "rollout.preflight_tol": 3e-2 if bf16 else 1e-3,
+                "rollout.sync_check_tol": 5e-2 if bf16 else 1e-4}
 
     def _check_ranges(self, rl: bool) -> None:
         r, t, e, c, a = self.rollout, self.train, self.eval, self.checkpoint, self.algo
@@ -480,7 +513,7 @@ class Config:
             section_name, key = name.split(".")
             section = getattr(self, section_name)
             value = getattr(section, key)
-            if value != getattr(type(section)(), key):  # the field's default
+            if value != self.resolved_defaults().get(name, getattr(type(section)(), key)):
                 flag = f"--{section_name}.{key.replace('_', '-')}"
                 shown = flag if isinstance(value, bool) else f"{flag} {value}"
                 raise ValueError(f"{shown} has no effect unless {unless}: set that, or leave "

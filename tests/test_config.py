@@ -144,11 +144,11 @@ def test_a_missing_recipe_is_one_line():
 
 
 FLAGS = {  # every flag of each section, as --help shows it
-    "model": "path kind size seed dtype",
-    "data": "train eval prompts-per-step seed",
+    "model": "path kind size seed dtype tool-parser reasoning-parser",
+    "data": "train eval prompt-key label-key prompts-per-step seed",
     "agent": "file config max-turns max-tokens timeout-s judge",
     "rollout": "group-size temperature max-tokens ignore-eos max-model-len kv-cache-gb num-engines "
-               "threads placement gpu-memory transport partial max-staleness on-failure "
+               "threads tensor-parallel placement gpu-memory transport partial max-staleness on-failure "
                "max-retries preflight preflight-tol sync-check-tol hang-s max-request-mb",
     "eval": "size every samples temperature max-tokens pass-threshold",
     "train": "steps num-ranks freeze threads-per-rank lr lr-warmup-steps lr-schedule min-lr-ratio "
@@ -158,7 +158,7 @@ FLAGS = {  # every flag of each section, as --help shows it
             "is-low is-high kl-coef kl-estimator kl-in-reward reference teacher gamma lam "
             "critic-lr value-clip dynamic-filter",
     "checkpoint": "save-final every keep resume",
-    "logging": "root name progress tensorboard wandb-project rollouts-every plots",
+    "logging": "root name progress tensorboard wandb-project rollouts-every plots print-every",
     "cluster": "device ray-address engine-resource trainer-resource",
     "serve": "sessions",
 }

@@ -44,7 +44,7 @@ def test_tiny_model_loads_and_engine_logprobs_match_transformers(engine, tokeniz
 
 
 def test_weight_sync_engine_follows_the_trainer(engine, tokenizer, tiny_model, tmp_path):
-    cfg = Config()
+    cfg = Config().validate()
     cfg.rollout.temperature = 0.8
     trainer = Trainer(cfg, str(tiny_model))
     try:
@@ -95,7 +95,7 @@ def test_frozen_tensors_are_not_resent_and_the_sync_still_verifies(engine, token
                                                                    tmp_path):
     from safetensors import safe_open
 
-    cfg = Config()
+    cfg = Config().validate()
     cfg.train.freeze = [r"embed_tokens", r"layers\.0\.self_attn\.q_proj"]
     trainer = Trainer(cfg, str(tiny_model))
     try:

@@ -38,7 +38,7 @@ def samples(engine, tokenizer):
 
 @pytest.mark.stack
 def test_preflight_passes_and_diagnoses(engine, tiny_model, tokenizer, samples):
-    trainer = Trainer(Config(), str(tiny_model))
+    trainer = Trainer(Config().validate(), str(tiny_model))
     try:
         assert preflight(samples, trainer, engine, 1.0, 1e-3) < 1e-4
         with pytest.raises(RuntimeError, match="fit temperature 1.0, not 0.5"):
@@ -55,7 +55,7 @@ def test_preflight_passes_and_diagnoses(engine, tiny_model, tokenizer, samples):
             replace(samples[0], loss_mask=[True] * len(samples[0].tokens))  # at construction
     finally:
         trainer.shutdown()
-    other = Trainer(Config(), str(builtin_model("dense", "tiny", 1)))  # other weights
+    other = Trainer(Config().validate(), str(builtin_model("dense", "tiny", 1)))  # other weights
     try:
         with pytest.raises(RuntimeError, match="hold different weights"):
             preflight(samples, other, engine, 1.0, 1e-3)

@@ -68,4 +68,4 @@ def test_recipe_loads_and_validates(path):
 def test_type_check_catches_yaml_strings():
     cfg = Config()
     cfg.train.lr = "1e-6"  # what YAML makes of 1e-6
-    assert type_errors(cfg) == ["train.lr: '1e-6' is not <class 'float'>"]
+    assert type_errors(cfg) == ["train.lr: '1e-6' is not float | None"]

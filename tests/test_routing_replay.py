@@ -107,7 +107,7 @@ def test_the_trainer_replays_recorded_routing_and_can_freeze_the_router(ray_sess
     gate = "model.layers.0.mlp.gate.weight"
     for replay, freeze, ranks, expected in [(True, [], 2, replayed), (False, [r"mlp\.gate\."],
                                                                       1, free)]:
-        cfg = Config()
+        cfg = Config().validate()
         cfg.train.routing_replay, cfg.train.freeze, cfg.train.num_ranks = replay, freeze, ranks
         trainer = Trainer(cfg, str(moe_model))
         try:

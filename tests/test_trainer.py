@@ -37,7 +37,7 @@ def test_a_step_is_the_same_on_1_or_2_ranks_and_1_or_4_micro_batches(ray_session
     seqs, probe = batch(), batch(3, seed=1)
     results = []
     for ranks, budget in [(1, 10_000), (1, 60), (2, 10_000)]:
-        cfg = Config()
+        cfg = Config().validate()
         cfg.train.num_ranks, cfg.train.micro_batch_tokens = ranks, budget
         cfg.algo.aggregation = "sequence" if loss == "pg" else "token"
         trainer = Trainer(cfg, str(tiny_model))
@@ -77,7 +77,7 @@ def test_resume_from_a_checkpoint_continues_with_identical_losses(ray_session, t
                                                                   tmp_path):
     from instar.train import checkpoint
 
-    cfg = Config()
+    cfg = Config().validate()
     steps = [batch(seed=k) for k in range(4)]
     trainer = Trainer(cfg, str(tiny_model))
     try:
@@ -105,7 +105,7 @@ def test_ranks_keep_freed_memory_for_the_next_step(ray_session, tiny_model):
     def faults(_actor):  # run inside each rank by __ray_call__
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-    trainer = Trainer(Config(), str(tiny_model))
+    trainer = Trainer(Config().validate(), str(tiny_model))
     try:
         counts = []  # per step: the most faults any rank took
         for _ in range(6):

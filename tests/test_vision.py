@@ -55,7 +55,7 @@ def vl_engine(ray_session, vl_model):
 
 @pytest.fixture(scope="module")
 def trainer(ray_session, vl_model):
-    cfg = Config()
+    cfg = Config().validate()
     cfg.rollout.temperature = SAMPLING["temperature"]
     t = Trainer(cfg, str(vl_model))
     yield t
