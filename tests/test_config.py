@@ -254,9 +254,40 @@ def test_print_config_prints_the_resolved_config(tmp_path):
     out = run_cli("rl", "--config", str(recipe), "--rollout.group-size", "4", "--print-config")
     assert out.returncode == 0, out.stderr
     printed = yaml.safe_load(out.stdout)
-    expected = {s: dataclasses.asdict(getattr(Config(), s)) for s in SECTIONS["rl"]}
+    expected = {s: dataclasses.asdict(getattr(Config().validate(), s)) for s in SECTIONS["rl"]}
     expected["train"]["steps"], expected["rollout"]["group_size"] = 7, 4
     assert printed == expected
+
+
+def test_own_model_gets_a_pretrained_models_defaults():
+    """The toy settings (a supervised warm-up, lr 1e-3, 24-token replies) are the built-in
+    model's; with --model.path only RL trains the model, at a pretrained model's settings.
+    The resolved values are what --print-config (and config.yaml) show."""
+    def printed(*flags):
+        out = run_cli("rl", *flags, "--print-config")
+        assert out.returncode == 0, out.stderr
+        return yaml.safe_load(out.stdout)
+
+    builtin, own = printed(), printed("--model.path", "some/model")
+    assert (builtin["train"]["warmup_sft_steps"], builtin["train"]["lr"],
+            builtin["rollout"]["max_tokens"]) == (60, 1e-3, 24)
+    assert (own["train"]["warmup_sft_steps"], own["train"]["lr"], own["rollout"]["max_tokens"],
+            own["rollout"]["max_model_len"]) == (0, 1e-6, 1024, 4096)
+    assert own["cluster"]["device"] == "cpu"  # auto, on this machine
+    tuned = printed("--model.path", "some/model", "--train.lr", "3e-6", "--model.dtype", "bfloat16")
+    assert tuned["train"]["lr"] == 3e-6 and tuned["rollout"]["sync_check_tol"] == 5e-2
+    assert tuned["rollout"]["preflight_tol"] == 3e-2
+
+
+def test_a_gpu_run_without_placement_flags_validates():
+    """Engines colocated on GPUs sleep while the trainer trains: the staleness default is 0
+    there, so the plain GPU command is a valid layout."""
+    cfg, _ = parse("rl", ["--cluster.device", "cuda"])
+    assert (cfg.rollout.placement, cfg.rollout.max_staleness) == ("colocated", 0)
+    cfg, _ = parse("rl", ["--cluster.device", "cuda", "--rollout.placement", "disaggregated"])
+    assert cfg.rollout.max_staleness == 1
+    with pytest.raises(SystemExit):  # asked for explicitly: refused, with the reason
+        parse("rl", ["--cluster.device", "cuda", "--rollout.max-staleness", "1"])
 
 
 def test_cli_config_error_is_a_clear_message():
