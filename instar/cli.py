@@ -6,6 +6,8 @@ import dataclasses
 import importlib.metadata
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,6 +58,23 @@ HELP = {
 """What each command does: its --help, and a line of `instar --help`."""
 
 
+DEBUG = False
+"""`instar --debug ...`: errors in the inputs show their traceback."""
+
+
+@contextmanager
+def checks(command: str) -> Iterator[None]:
+    """What the run is given (config, model, data, agent) is checked before anything starts;
+    a bad input is one line on stderr and exit code 2, with no traceback unless --debug."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as e:
+        if DEBUG:
+            raise
+        print(f"instar {command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse(command: str, argv: list[str]) -> tuple[Config, bool]:
     """The run config from a recipe and flags; exits with a clear message if it is invalid."""
     sections = SECTIONS[command]
@@ -65,10 +84,8 @@ def parse(command: str, argv: list[str]) -> tuple[Config, bool]:
     if "agent" in sections:
         pre.add_argument("--agent", default=None)
     known, rest = pre.parse_known_args(argv)
-    try:
+    with checks(command):
         cfg = load_yaml(known.config) if known.config else Config()
-    except ValueError as e:
-        sys.exit(f"instar {command}: config error: {e}")
     if getattr(known, "agent", None):
         cfg.agent.file = known.agent
     types = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -76,12 +93,11 @@ def parse(command: str, argv: list[str]) -> tuple[Config, bool]:
     parsed = tyro.cli(flags, args=rest, default=flags(*(getattr(cfg, s) for s in sections)),
                       prog=f"instar {command}",
                       description=HELP[command] + " Extra flags: --config recipe.yaml (defaults "
-                      "from a YAML recipe), --print-config (print and exit).")
+                      "from a YAML recipe), --print-config (print the resolved config and exit), "
+                      "--debug (errors with their traceback).")
     cfg = dataclasses.replace(cfg, **{s: getattr(parsed, s) for s in sections})
-    try:
+    with checks(command):
         cfg.validate(rl=command == "rl")
-    except ValueError as e:
-        sys.exit(f"instar {command}: config error: {e}")
     if known.print_config:
         print(yaml.safe_dump({s: dataclasses.asdict(getattr(cfg, s)) for s in sections},
                              sort_keys=False), end="")
@@ -92,9 +108,12 @@ def rl(argv: list[str]) -> None:
     cfg, printed = parse("rl", argv)
     if printed:
         return
+    from instar.inputs import run_inputs
     from instar.loop import run
 
-    summary = run(cfg)
+    with checks("rl"):
+        inputs = run_inputs(cfg)
+    summary = run(cfg, inputs)
     print_summary(summary)
 
 
@@ -102,9 +121,11 @@ def sft(argv: list[str]) -> None:
     cfg, printed = parse("sft", argv)
     if printed:
         return
-    from instar.sft import run_sft
+    from instar.sft import run_sft, sft_inputs
 
-    s = run_sft(cfg)
+    with checks("sft"):
+        inputs = sft_inputs(cfg)
+    s = run_sft(cfg, inputs)
     if s["eval_loss_before"] is not None:
         print(f"instar sft: held-out assistant-token loss {s['eval_loss_before']:.4f} -> "
               f"{s['eval_loss_after']:.4f}")
@@ -114,9 +135,14 @@ def eval_(argv: list[str]) -> None:
     cfg, printed = parse("eval", argv)
     if printed:
         return
+    from instar.inputs import run_inputs
     from instar.jobs import evaluate_model
 
-    result = evaluate_model(cfg)
+    with checks("eval"):
+        inputs = run_inputs(cfg)
+        if not inputs.eval_tasks:
+            raise ValueError("instar eval needs held-out tasks: --data.eval FILE and --eval.size > 0")
+    result = evaluate_model(cfg, inputs)
     if result["failed"] and sum(result["failed"].values()) == result["tasks"] * cfg.eval.samples:
         sys.exit(f"instar eval: every episode failed: {result['failed']}")
 
@@ -125,9 +151,12 @@ def rollout(argv: list[str]) -> None:
     cfg, printed = parse("rollout", argv)
     if printed:
         return
+    from instar.inputs import run_inputs
     from instar.jobs import rollout
 
-    summary = rollout(cfg)
+    with checks("rollout"):
+        inputs = run_inputs(cfg)
+    summary = rollout(cfg, inputs)
     if summary["failed"] and not summary["episodes"]:
         sys.exit(f"instar rollout: every episode failed: {summary['failed']}")
 
@@ -136,9 +165,12 @@ def serve(argv: list[str]) -> None:
     cfg, printed = parse("serve", argv)
     if printed:
         return
+    from instar.inputs import model_path
     from instar.jobs import serve
 
-    serve(cfg)
+    with checks("serve"):
+        path = model_path(cfg)
+    serve(cfg, path)
 
 
 def print_summary(s: dict) -> None:
@@ -181,7 +213,10 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global DEBUG
     argv = sys.argv[1:] if argv is None else argv
+    DEBUG = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     if argv[:1] in (["--help"], ["-h"]):
         print(usage())
         return

@@ -28,7 +28,7 @@ from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate
 from instar.gateway.server import Gateway
-from instar.inputs import Inputs, model_path, run_inputs
+from instar.inputs import Inputs
 from instar.rollout.engine import stop_engines
 from instar.rollout.router import Router
 from instar.rollout.runner import Rollouts
@@ -72,11 +72,11 @@ def agent_rollouts(cfg: Config, inputs: Inputs) -> Iterator[Rollouts]:
             rollouts.close()
 
 
-def rollout(cfg: Config) -> dict:
+def rollout(cfg: Config, inputs: Inputs) -> dict:
     """`instar rollout`: --rollout.group-size episodes of each task of --data.train (empty:
     the built-in task) with the agent (--agent), no training. Failed episodes are counted and
     their tracebacks printed."""
-    inputs, out = run_inputs(cfg), run_dir(cfg, "rollout")
+    out = run_dir(cfg, "rollout")
     with agent_rollouts(cfg, inputs) as rollouts:
         batch = rollouts.run(inputs.train_tasks, cfg.rollout.group_size, sampling(cfg), "rollout")
     save(out / "rollouts.jsonl", batch.samples)
@@ -94,12 +94,9 @@ def rollout(cfg: Config) -> dict:
     return summary
 
 
-def evaluate_model(cfg: Config) -> dict:
+def evaluate_model(cfg: Config, inputs: Inputs) -> dict:
     """`instar eval --model.path DIR`: the run's eval (--eval.*, --data.eval, --agent) on a
     checkpoint, without training."""
-    inputs = run_inputs(cfg)
-    if not inputs.eval_tasks:
-        raise ValueError("instar eval needs held-out tasks: --data.eval FILE and --eval.size > 0")
     out = run_dir(cfg, "eval")
     with agent_rollouts(cfg, inputs) as rollouts:
         metrics, batch = evaluate(rollouts, inputs.eval_tasks, cfg.eval, cfg.rollout.max_tokens,
@@ -112,10 +109,11 @@ def evaluate_model(cfg: Config) -> dict:
     return result
 
 
-def serve(cfg: Config) -> None:
-    """`instar serve`: the engines behind the gateway, --serve.sessions sessions sampled with
-    the --rollout.* settings, until Ctrl-C (or SIGTERM); then the sessions are written."""
-    path, out, r = model_path(cfg), run_dir(cfg, "serve"), cfg.rollout
+def serve(cfg: Config, path: Path) -> None:
+    """`instar serve`: the engines behind the gateway on the model at `path`, --serve.sessions
+    sessions sampled with the --rollout.* settings, until Ctrl-C (or SIGTERM); then the
+    sessions are written."""
+    out, r = run_dir(cfg, "serve"), cfg.rollout
     with engines(cfg, path) as policy:
         gateway = Gateway(Router(policy, Versions(), hang_s=r.hang_s).generate,
                           AutoTokenizer.from_pretrained(path), model=path.name,

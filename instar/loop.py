@@ -97,10 +97,12 @@ class Run:
     failed: Counter = field(default_factory=Counter)
 
 
-def run(cfg: Config) -> dict:
+def run(cfg: Config, inputs: Inputs | None = None) -> dict:
+    """`inputs`: the run's model, data and agent, already checked (default: read them now)."""
     cfg.validate()
+    inputs = inputs or run_inputs(cfg)
     with ExitStack() as stack:
-        r = setup(cfg, stack)
+        r = setup(cfg, inputs, stack)
         start = begin(r)
         stopping = stack.enter_context(deferred_sigterm())  # SIGTERM: stop at the step's end
         P, ro = cfg.data.prompts_per_step, cfg.rollout
@@ -136,13 +138,12 @@ def release(fn, *args) -> None:
         console.log(f"[yellow]clean-up: {getattr(fn, '__qualname__', fn)} failed: {e!r}")
 
 
-def setup(cfg: Config, stack: ExitStack) -> Run:
+def setup(cfg: Config, inputs: Inputs, stack: ExitStack) -> Run:
     """Everything the run needs, each part released by `stack` whatever happens later."""
     # absolute paths: Ray workers of a joined cluster do not run in this directory
     run_dir = Path(cfg.logging.root).absolute() / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    inputs = run_inputs(cfg)
     console.log(f"run directory {run_dir}")
     stack.enter_context(ray_for(cfg.cluster.ray_address))
     model = inputs.model_path

@@ -36,19 +36,24 @@ def eval_loss(trainer: Trainer, seqs: list[Sequence]) -> float:
     return sum(nll) / len(nll)
 
 
-def run_sft(cfg: Config) -> dict:
-    cfg.validate()
-    run_dir = Path(cfg.logging.root).absolute() / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+def sft_inputs(cfg: Config) -> tuple[Path, object, list[dict], list[Sequence]]:
+    """The model folder, its tokenizer, the training rows and the held-out sequences."""
     base = model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(base)
     rows = load_sft_jsonl(cfg.data.train or builtin_sft_data())
     held_out = load_sft_jsonl(cfg.data.eval) if cfg.data.eval else []
     if not cfg.data.train:  # built-in data: hold some rows out
         rows, held_out = rows[cfg.eval.size:], rows[:cfg.eval.size]
-    held_out = [sequence(tokenizer, row) for row in held_out[:cfg.eval.size]]
+    return base, tokenizer, rows, [sequence(tokenizer, row) for row in held_out[:cfg.eval.size]]
 
+
+def run_sft(cfg: Config, inputs: tuple | None = None) -> dict:
+    """`inputs`: `sft_inputs(cfg)`, already checked (default: read them now)."""
+    cfg.validate()
+    base, tokenizer, rows, held_out = inputs or sft_inputs(cfg)
+    run_dir = Path(cfg.logging.root).absolute() / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
     with ray_for(cfg.cluster.ray_address):
         return train(cfg, run_dir, base, tokenizer, rows, held_out)
 
