@@ -65,3 +65,41 @@ def test_every_relative_link_and_anchor_exists(doc):
             elif fragment and path.suffix == ".md" and fragment not in anchors(path):
                 broken.append(f"{target}: no heading with that anchor in {path.name}")
     assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """Every `instar rl|sft|eval|rollout|serve ...` line of a fenced block in README.md and
+    docs/ (continuation lines joined; those with [optional] parts, "...", shell variables or a
+    placeholder recipe left out)."""
+    found = []
+    for path in DOCS:
+        fenced, text = False, ""
+        for line in path.read_text().splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif fenced:
+                text += line.split(" #")[0].rstrip().removesuffix("\\") + (
+                    " " if line.rstrip().endswith("\\") else "\n")
+        for m in re.finditer(r"(?:^|\s)instar (rl|sft|eval|rollout|serve)((?: [^\n]*)?)$", text, re.M):
+            config = re.search(r"--config (\S+)", m[2])
+            if not re.search(r"[\[$<]|\.\.\.", m[2]) and (not config or (ROOT / config[1]).exists()):
+                found.append((f"{path.name}: instar {m[1]}{m[2]}", m[1], m[2]))
+    return found
+
+
+@pytest.mark.parametrize("where, command, args", documented_commands(), ids=lambda v: str(v)[:60])
+def test_documented_commands_validate(where, command, args, monkeypatch, capsys):
+    """The commands the docs show pass validate() as written (on any machine: --print-config),
+    the GPU ones included."""
+    import shlex
+
+    from instar.cli import parse
+
+    monkeypatch.chdir(ROOT)  # (recipes/ paths are relative to the repository)
+    cfg, printed = parse(command, [*shlex.split(args), "--print-config"])
+    assert printed, where
+
+
+def test_the_docs_show_gpu_commands():
+    gpu = [w for w, _, args in documented_commands() if "recipes/" in args or "cuda" in args]
+    assert gpu, "no GPU command found in README.md or docs/ to check"
