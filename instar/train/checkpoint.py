@@ -114,11 +114,14 @@ def load(path: Path, model, optimizer) -> dict:
 
 def export_hf(base: Path, out: Path, write_weights) -> None:
     """Write a Hugging Face folder `out`, atomically: the files of `base` (config, tokenizer)
-    with the weights `write_weights(path)` writes as model.safetensors."""
+    with the weights `write_weights(path)` writes as model.safetensors. Readable by others:
+    files 0o644, folders 0o755 (the temporary ones are made private)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     for f in base.iterdir():
         if f.is_file() and f.name != "model.safetensors":
             shutil.copy(f, tmp / f.name)
     write_weights(str(tmp / "model.safetensors"))
+    for path in (tmp, *tmp.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
     os.replace(tmp, out)
