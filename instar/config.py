@@ -11,7 +11,6 @@ its --help; a setting has the same flag, and the same default, in every command:
 """
 
 import dataclasses
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -60,9 +59,12 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = ""
-    """Training tasks, JSONL with at least `prompt`. Empty: the built-in task's data."""
+    """Training tasks: a .jsonl, .json or .parquet file, a `datasets` folder (save_to_disk) or
+    a Hub dataset id (`org/name[:config]`, its train split); rows need the prompt column.
+    Empty: the built-in task's data. See docs/own_model.md."""
     eval: str = ""
-    """Held-out tasks for eval, JSONL. Empty: the built-in task's held-out data."""
+    """Held-out tasks for eval, in the same forms (a Hub dataset: its test, else validation
+    split). Empty: the built-in task's held-out data."""
     prompt_key: str = "prompt"
     """Column of the task data that holds the prompt."""
     label_key: str = "label"
@@ -449,10 +451,6 @@ class Config:
         if r.transport == "nccl" and r.placement != "disaggregated":
             raise ValueError("--rollout.transport nccl needs --rollout.placement disaggregated "
                              "(NCCL refuses two ranks on one device); use ipc when colocated")
-        if self.agent.judge not in ("", "policy") and not os.path.isfile(
-                os.path.join(self.agent.judge, "config.json")):
-            raise ValueError(f"--agent.judge {self.agent.judge!r}: expected \"policy\" or a "
-                             "Hugging Face model folder (with config.json)")
         if t.master_dtype == "bfloat16" and self.model.dtype == "float32":
             raise ValueError("--train.master-dtype bfloat16 needs --model.dtype bfloat16: master "
                              "weights are at least as precise as the compute")

@@ -8,8 +8,10 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from instar.agents.contract import Task
-from instar.agents.loading import load_agent, load_tasks
+from instar.agents.loading import load_agent
 from instar.config import Config
+from instar.data import load_task_data
+from instar.hub import resolve_model
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model
 
@@ -24,22 +26,37 @@ class Inputs:
 
 
 def model_path(cfg: Config) -> Path:
-    """The checkpoint folder: `--model.path`, or the built-in model (built on first use)."""
+    """The checkpoint folder: `--model.path` (a folder or a Hub id, instar/hub.py), or the
+    built-in model (built on first use)."""
     if cfg.model.path:
-        return Path(cfg.model.path).absolute()
+        return resolve_model(cfg.model.path, "--model.path")
     return builtin_model(cfg.model.kind, cfg.model.size, cfg.model.seed)
+
+
+def other_model_paths(cfg: Config) -> dict[str, Path]:
+    """The folders of the judge, teacher and reference models the run names (read where their
+    engines and trainers start, and first by `run_inputs`, so a wrong one fails early)."""
+    named = {"judge": ("--agent.judge", "" if cfg.agent.judge == "policy" else cfg.agent.judge),
+             "teacher": ("--algo.teacher", cfg.algo.teacher),
+             "reference": ("--algo.reference", cfg.algo.reference)}
+    return {name: resolve_model(spec, flag) for name, (flag, spec) in named.items() if spec}
 
 
 def run_inputs(cfg: Config) -> Inputs:
     """Training tasks, held-out tasks (at most `--eval.size`), the agent class, the model
-    folder and its tokenizer. Empty `--data.train`: the built-in reverse task and its agent."""
-    builtin_train, builtin_eval = reverse_data() if not cfg.data.train else ("", "")
-    eval_file = cfg.data.eval or builtin_eval
+    folder and its tokenizer; the other models named are checked too. Empty `--data.train`:
+    the built-in reverse task and its agent. Data formats: instar/data.py."""
+    d = cfg.data
+    builtin_train, builtin_eval = reverse_data() if not d.train else ("", "")
+    eval_file = d.eval or builtin_eval
     path = model_path(cfg)
-    return Inputs(train_tasks=load_tasks(cfg.data.train or builtin_train),
-                  eval_tasks=load_tasks(eval_file)[:cfg.eval.size] if eval_file else [],
-                  agent_cls=load_agent(cfg.agent.file or AGENT_FILE), model_path=path,
-                  tokenizer=AutoTokenizer.from_pretrained(path))
+    other_model_paths(cfg)
+    return Inputs(
+        train_tasks=load_task_data(d.train or builtin_train, d.prompt_key, d.label_key),
+        eval_tasks=load_task_data(eval_file, d.prompt_key, d.label_key, "--data.eval")[
+            :cfg.eval.size] if eval_file else [],
+        agent_cls=load_agent(cfg.agent.file or AGENT_FILE), model_path=path,
+        tokenizer=AutoTokenizer.from_pretrained(path))
 
 
 def task_order(tasks: list[Task], seed: int):

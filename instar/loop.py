@@ -48,7 +48,7 @@ from instar.agents.chat import as_messages, prompt_ids
 from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate, mean
-from instar.inputs import Inputs, run_inputs, task_order
+from instar.inputs import Inputs, other_model_paths, run_inputs, task_order
 from instar.metrics import MISMATCH, RunLog, StepResult, step_metrics
 from instar.placement import place
 from instar.plots import plot_run
@@ -185,11 +185,11 @@ def setup(cfg: Config, inputs: Inputs, stack: ExitStack) -> Run:
 
 def other_models(cfg: Config, model: Path) -> dict[str, Trainer]:
     """The models the algorithm needs besides the policy, built only when it needs them."""
-    a, others = cfg.algo, {}
+    a, others, paths = cfg.algo, {}, other_model_paths(cfg)
     if a.kl_coef > 0:
-        others["reference"] = Trainer(cfg, a.reference or str(model), frozen=True)
+        others["reference"] = Trainer(cfg, str(paths.get("reference", model)), frozen=True)
     if a.estimator == "on_policy_distill":
-        others["teacher"] = Trainer(cfg, a.teacher, frozen=True)
+        others["teacher"] = Trainer(cfg, str(paths["teacher"]), frozen=True)
     if a.estimator == "gae":
         others["critic"] = Trainer(cfg, str(model), head="value", lr=a.critic_lr)
     return others

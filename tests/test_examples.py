@@ -32,8 +32,15 @@ def check(name: str, samples: list, failed: dict) -> None:
 
 
 def test_instar_rollout_runs_an_example_as_a_user_does(tool_model, ray_session, tmp_path):
+    """The tasks as a Parquet file with columns of its own (`--data.prompt-key`, ...)."""
+    import datasets
+
+    parquet = tmp_path / "calculator.parquet"
+    datasets.Dataset.from_list([{"id": t.id, "question": t.prompt, "answer": t.label}
+                                for t in load_tasks(str(CALCULATOR))]).to_parquet(parquet)
     run = instar(tmp_path, "rollout", "--agent", str(EXAMPLES / "calculator_anthropic.py"),
-                 "--data.train", str(CALCULATOR), "--model.path", str(tool_model),
+                 "--data.train", str(parquet), "--data.prompt-key", "question",
+                 "--data.label-key", "answer", "--model.path", str(tool_model),
                  "--rollout.group-size", "2", "--rollout.max-tokens", str(SAMPLING["max_tokens"]),
                  "--rollout.max-model-len", "512",
                  "--rollout.temperature", str(SAMPLING["temperature"]))

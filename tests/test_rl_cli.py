@@ -120,11 +120,21 @@ def test_instar_rl_moe_with_gspo_on_policy_syncs_experts_and_can_freeze_routers(
 
 
 def test_instar_eval_scores_a_checkpoint_without_training(ray_session, tmp_path, tiny_model):
+    """The held-out tasks as a `datasets` folder (save_to_disk): six built-in ones."""
+    import datasets
+
+    from instar.tasks.reverse_data import reverse_data
+
+    rows = [json.loads(line) for line in open(reverse_data()[1])][-6:]  # not the first six
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "held_out")
     run = instar(tmp_path, "eval", "--model.path", str(tiny_model), "--eval.size", "6",
+                 "--data.eval", str(tmp_path / "held_out"),
                  "--eval.samples", "4", "--eval.pass-threshold", "0.2",
                  "--rollout.max-tokens", "8", name="ev")
     result = json.loads((run / "eval.json").read_text())
     assert result["tasks"] == 6 and result["model"] == str(tiny_model)
     p1, p2, p4 = result["eval/pass@1"], result["eval/pass@2"], result["eval/pass@4"]
     assert 0.0 <= p1 <= p2 <= p4 <= 1.0  # more tries never pass less often
-    assert len(read_jsonl(run / "eval_samples.jsonl")) == 24
+    samples = read_jsonl(run / "eval_samples.jsonl")
+    assert len(samples) == 24
+    assert {s.group_id.rpartition("-")[2] for s in samples} == {r["id"] for r in rows}

@@ -4,6 +4,7 @@ all start the same way."""
 from pathlib import Path
 
 from instar.config import Config
+from instar.hub import resolve_model
 from instar.rollout.engine import launch
 from instar.rollout.runner import Rollouts
 
@@ -28,14 +29,16 @@ def sampling(cfg: Config) -> dict:
 def make_rollouts(cfg: Config, agent_cls: type, engines: list, tokenizer,
                   model_path: Path) -> Rollouts:
     """The agent's episodes on `engines`, with the run's limits and failure policy; a frozen
-    judge (`--agent.judge DIR`) gets an engine of its own, shut down with the rollouts."""
+    judge (`--agent.judge`: a folder or Hub id) gets an engine of its own, shut down with the
+    rollouts."""
     a, r = cfg.agent, cfg.rollout
-    judge_engines = [] if a.judge in ("", "policy") else launch(
-        a.judge, device=cfg.cluster.device, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
+    judge = a.judge if a.judge in ("", "policy") else str(resolve_model(a.judge, "--agent.judge"))
+    judge_engines = [] if judge in ("", "policy") else launch(
+        judge, device=cfg.cluster.device, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
         kv_cache_gb=r.kv_cache_gb, threads=r.threads, seed=cfg.data.seed)
     return Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_path.name,
                     max_model_len=r.max_model_len, on_failure=r.on_failure,
-                    max_retries=r.max_retries, judge=a.judge, judge_engines=judge_engines,
+                    max_retries=r.max_retries, judge=judge, judge_engines=judge_engines,
                     hang_s=r.hang_s, max_request_mb=r.max_request_mb,
                     limits={"max_turns": a.max_turns, "max_tokens": a.max_tokens,
                             "timeout_s": a.timeout_s})
