@@ -401,8 +401,9 @@ class Config:
         if e.size < 0 or e.every < 0 or e.samples < 1 or e.max_tokens < 0:
             raise ValueError("--eval.size, --eval.every and --eval.max-tokens must be >= 0, "
                              "--eval.samples >= 1")
-        if r.num_engines < 1 or self.serve.sessions < 1:
-            raise ValueError("--rollout.num-engines and --serve.sessions must be >= 1")
+        if r.num_engines < 1 or self.serve.sessions < 1 or r.tensor_parallel < 1:
+            raise ValueError("--rollout.num-engines, --rollout.tensor-parallel and "
+                             "--serve.sessions must be >= 1")
         if r.max_staleness < 0 or not 0 < r.gpu_memory <= 1:
             raise ValueError("--rollout.max-staleness must be >= 0 and --rollout.gpu-memory in "
                              "(0, 1]")
@@ -445,6 +446,11 @@ class Config:
         if r.transport != "file" and device != "cuda":
             raise ValueError(f"--rollout.transport {r.transport} needs GPUs (--cluster.device "
                              "cuda); on CPU use --rollout.transport file")
+        if r.tensor_parallel > 1 and (device != "cuda" or r.placement != "disaggregated"):
+            raise ValueError(f"--rollout.tensor-parallel {r.tensor_parallel} needs --cluster.device "
+                             "cuda and --rollout.placement disaggregated: such an engine spans "
+                             f"{r.tensor_parallel} GPUs of its own (a CPU engine runs on one "
+                             "device; a colocated engine shares one GPU with a trainer rank)")
         if r.transport == "ipc" and r.placement != "colocated":
             raise ValueError("--rollout.transport ipc needs --rollout.placement colocated (CUDA "
                              "IPC shares a device); use nccl for disaggregated engines")

@@ -152,7 +152,8 @@ def setup(cfg: Config, inputs: Inputs, stack: ExitStack) -> Run:
     r, t, device = cfg.rollout, cfg.train, cfg.cluster.device
     engine_at, rank_at, pg = place(r.placement, device, r.num_engines, t.num_ranks, r.threads,
                                    t.threads_per_rank, cfg.cluster.engine_resource,
-                                   cfg.cluster.trainer_resource, one_host=r.transport == "file")
+                                   cfg.cluster.trainer_resource, tensor_parallel=r.tensor_parallel,
+                                   one_host=r.transport == "file")
     stack.callback(release, ray.util.remove_placement_group, pg)
     trainer = Trainer(cfg, str(model), rank_at)
     stack.callback(release, trainer.shutdown)

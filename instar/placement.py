@@ -4,7 +4,8 @@
                    GPUs: one device, half a Ray GPU each; the engine sleeps while the
                    trainer trains)
     disaggregated  a bundle of its own for every engine and every rank (own devices, or
-                   own CPU cores)
+                   own CPU cores); an engine's bundle holds its `tensor_parallel` GPUs, all
+                   on one node
 
 Bundles are packed onto as few nodes as fit, so the same config runs on one machine or
 across a Ray cluster. To choose the nodes, give them a custom resource at `ray start` and
@@ -21,21 +22,38 @@ from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
+def check_engine_gpus(tensor_parallel: int, nodes: list[dict], resource: str = "") -> None:
+    """Refuse engines of `tensor_parallel` GPUs when no node has that many (a bundle is never
+    split across nodes, so Ray would wait forever). `nodes`: `ray.nodes()`; `resource`: only
+    nodes that have it can hold an engine (--cluster.engine-resource)."""
+    gpus = [n["Resources"].get("GPU", 0) for n in nodes if n.get("Alive", True)
+            and (not resource or n["Resources"].get(resource, 0) > 0)]
+    if tensor_parallel > max(gpus, default=0):
+        raise RuntimeError(
+            f"--rollout.tensor-parallel {tensor_parallel}: an engine needs {tensor_parallel} GPUs "
+            f"on one node, but the most any{f' {resource!r}' if resource else ''} node of the "
+            f"Ray cluster has is {max(gpus, default=0):g}; lower --rollout.tensor-parallel")
+
+
 def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus: int,
           rank_cpus: int, engine_resource: str = "", rank_resource: str = "", *,
-          one_host: bool = False, timeout_s: float = 120) -> tuple[list[dict], list[dict], object]:
+          tensor_parallel: int = 1, one_host: bool = False,
+          timeout_s: float = 120) -> tuple[list[dict], list[dict], object]:
     """Ray actor options (`actor.options(**o)`) for each engine and each trainer rank, and the
     placement group (remove it with `ray.util.remove_placement_group` when the run ends).
-    `one_host`: refuse a placement across hosts (the file transport passes the weights
-    through one host's /dev/shm)."""
+    `tensor_parallel`: GPUs per engine (disaggregated); `one_host`: refuse a placement across
+    hosts (the file transport passes the weights through one host's /dev/shm)."""
     gpu = {"GPU": 1} if device == "cuda" else {}
+    if gpu and tensor_parallel > 1:
+        check_engine_gpus(tensor_parallel, ray.nodes(), engine_resource)
     if mode == "colocated":  # they share the cores: reserve one per bundle, ask for none
         n = max(num_engines, num_ranks)
         bundles = [{"CPU": 1, **gpu}] * n
         engine_at, rank_at = [i % n for i in range(num_engines)], list(range(num_ranks))
         engine_cpus = rank_cpus = 0
     else:
-        engine = {"CPU": engine_cpus, **gpu, **({engine_resource: 1} if engine_resource else {})}
+        engine = {"CPU": engine_cpus, **({"GPU": tensor_parallel} if gpu else {}),
+                  **({engine_resource: 1} if engine_resource else {})}
         rank = {"CPU": rank_cpus, **gpu, **({rank_resource: 1} if rank_resource else {})}
         bundles = [engine] * num_engines + [rank] * num_ranks
         engine_at, rank_at = list(range(num_engines)), list(range(num_engines, len(bundles)))
@@ -56,7 +74,8 @@ def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus:
                            "/dev/shm; on GPUs use --rollout.transport nccl")
     share = 0.5 if mode == "colocated" and gpu else (1 if gpu else 0)
 
-    def options(bundle: int, cpus: int) -> dict:
-        return dict(num_cpus=cpus, num_gpus=share, scheduling_strategy=
+    def options(bundle: int, cpus: int, gpus: float) -> dict:
+        return dict(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=
                     PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
-    return [options(b, engine_cpus) for b in engine_at], [options(b, rank_cpus) for b in rank_at], pg
+    return ([options(b, engine_cpus, share * tensor_parallel) for b in engine_at],
+            [options(b, rank_cpus, share) for b in rank_at], pg)

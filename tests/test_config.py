@@ -37,6 +37,13 @@ def changed(**settings) -> Config:
     (dict(serve__sessions=0), "--serve.sessions"),
     (dict(train__master_dtype="bfloat16"), "--train.master-dtype bfloat16"),
     (dict(rollout__transport="nccl"), "--rollout.transport nccl needs GPUs"),
+    (dict(rollout__tensor_parallel=0), "--rollout.tensor-parallel"),
+    (dict(rollout__tensor_parallel=2, rollout__placement="disaggregated"),
+     "--rollout.tensor-parallel 2 needs --cluster.device cuda and --rollout.placement "
+     "disaggregated: such an engine spans 2 GPUs of its own"),
+    (dict(rollout__tensor_parallel=2, cluster__device="cuda"),  # (colocated, the default)
+     "--rollout.tensor-parallel 2 needs --cluster.device cuda and --rollout.placement "
+     "disaggregated"),
     # settings that would be ignored: each names itself and what would make it count
     (dict(algo__dual_clip=2.0, algo__policy_loss="gspo"),
      "--algo.dual-clip 2.0 has no effect unless --algo.policy-loss ppo"),
@@ -104,6 +111,8 @@ def test_validate_names_the_flag(settings, flag):
     dict(checkpoint__every=10, checkpoint__keep=5),
     dict(checkpoint__resume="auto", logging__name="run"),
     dict(model__path="ckpt/", model__dtype="bfloat16"),
+    dict(cluster__device="cuda", rollout__placement="disaggregated", rollout__tensor_parallel=2,
+         rollout__transport="nccl"),
 ])
 def test_settings_that_count_are_accepted(settings):
     changed(**settings).validate()

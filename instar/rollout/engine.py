@@ -57,7 +57,7 @@ class Engine:
 
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: int,
                  threads: int, seed: int, engine_id: int = 0, partial: bool = True,
-                 capture_routing: bool = False,
+                 capture_routing: bool = False, tensor_parallel: int = 1,
                  gpu_memory_utilization: float = 0.9, transport: str = "file", nice: int = 0):
         for thread in os.listdir("/proc/self/task") if nice else ():  # (nice is per thread)
             os.setpriority(os.PRIO_PROCESS, int(thread), nice)
@@ -82,7 +82,11 @@ class Engine:
             logprobs_mode="processed_logprobs",  # after temperature: what sampled the token
             worker_extension_cls="instar.rollout.weight_receiver.WeightReceiver",
             enable_prefix_caching=True, enable_return_routed_experts=capture_routing,
-            distributed_executor_backend="uni",
+            # tensor parallel: vLLM's workers are processes of this actor, on the GPUs Ray gave
+            # it (CUDA_VISIBLE_DEVICES); its default in a placement group, "ray", would ask Ray
+            # for GPUs of their own beside this actor's
+            tensor_parallel_size=tensor_parallel,
+            distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
             gpu_memory_utilization=gpu_memory_utilization,
             weight_transfer_config=None if transport == "file" else {"backend": transport})
         self.llm = AsyncLLM.from_engine_args(args)
@@ -249,19 +253,24 @@ and the engines have until it ends to generate the next step's episodes on the s
 
 def launch(model_path: str, *, device: str, dtype: str, max_model_len: int, kv_cache_gb: int,
            threads: int, seed: int, count: int = 1, placement: list[dict] | None = None,
-           **options) -> list:
+           tensor_parallel: int = 1, **options) -> list:
     """Start `count` Engines as Ray actors (Ray must be initialised); returns once they are
     up, so start-up time never counts against an episode's timeout. `placement`: Ray
-    options per engine (see instar.placement); `options` go to Engine. Ray restarts an
-    engine that dies (up to ENGINE_RESTARTS times); see `Router`."""
+    options per engine (see instar.placement; default: `tensor_parallel` GPUs each, or none
+    on a CPU); `options` go to Engine. Ray restarts an engine that dies (up to
+    ENGINE_RESTARTS times); see `Router`."""
     import ray
 
+    from instar.placement import check_engine_gpus
+
+    if device == "cuda" and tensor_parallel > 1 and not placement:
+        check_engine_gpus(tensor_parallel, ray.nodes())
     actor = ray.remote(max_restarts=ENGINE_RESTARTS)(Engine)
-    default = dict(num_cpus=0, num_gpus=1 if device == "cuda" else 0)
+    default = dict(num_cpus=0, num_gpus=tensor_parallel if device == "cuda" else 0)
     engines = [actor.options(**(placement[i] if placement else default)).remote(
                    model_path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                    threads=threads, seed=seed + i, engine_id=i, nice=CPU_NICE * (device != "cuda"),
-                   **options)
+                   tensor_parallel=tensor_parallel, **options)
                for i in range(count)]
     ray.get([e.__ray_ready__.remote() for e in engines])
     return engines

@@ -17,7 +17,8 @@ def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | N
     return launch(str(model_path), device=cfg.cluster.device, dtype=cfg.model.dtype,
                   max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb, threads=r.threads,
                   seed=cfg.data.seed, count=r.num_engines, placement=placement,
-                  gpu_memory_utilization=r.gpu_memory, **options)
+                  tensor_parallel=r.tensor_parallel, gpu_memory_utilization=r.gpu_memory,
+                  **options)
 
 
 def sampling(cfg: Config) -> dict:
@@ -35,7 +36,8 @@ def make_rollouts(cfg: Config, agent_cls: type, engines: list, tokenizer,
     judge = a.judge if a.judge in ("", "policy") else str(resolve_model(a.judge, "--agent.judge"))
     judge_engines = [] if judge in ("", "policy") else launch(
         judge, device=cfg.cluster.device, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
-        kv_cache_gb=r.kv_cache_gb, threads=r.threads, seed=cfg.data.seed)
+        kv_cache_gb=r.kv_cache_gb, threads=r.threads, seed=cfg.data.seed,
+        tensor_parallel=r.tensor_parallel)
     return Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_path.name,
                     max_model_len=r.max_model_len, on_failure=r.on_failure,
                     max_retries=r.max_retries, judge=judge, judge_engines=judge_engines,

@@ -1,0 +1,41 @@
+"""Engines of several GPUs (--rollout.tensor-parallel N) are refused, in one sentence naming
+the flag, when no node of the Ray cluster has N GPUs, before anything waits for them."""
+
+import re
+
+import pytest
+
+from instar.placement import check_engine_gpus, place
+
+
+def node(gpus: float, alive: bool = True, **resources) -> dict:
+    """A node as `ray.nodes()` describes it."""
+    return {"Alive": alive, "Resources": {"CPU": 16.0, "GPU": gpus, **resources}}
+
+
+@pytest.mark.parametrize("tensor_parallel, nodes, resource", [
+    (1, [node(1)], ""),
+    (4, [node(2), node(4)], ""),
+    (8, [node(8, rollout=8.0), node(8)], "rollout"),
+])
+def test_an_engine_fits_on_a_node_with_enough_gpus(tensor_parallel, nodes, resource):
+    check_engine_gpus(tensor_parallel, nodes, resource)
+
+
+@pytest.mark.parametrize("tensor_parallel, nodes, resource, most", [
+    (2, [node(1), node(1)], "", "has is 1"),  # two nodes of one GPU: an engine is never split
+    (4, [node(8, alive=False), node(2)], "", "has is 2"),
+    (4, [node(8), node(2, rollout=2.0)], "rollout", "any 'rollout' node of the Ray cluster has is 2"),
+    (2, [node(0)], "", "has is 0"),
+])
+def test_an_engine_larger_than_every_node_is_refused(tensor_parallel, nodes, resource, most):
+    with pytest.raises(RuntimeError, match=f"--rollout.tensor-parallel {tensor_parallel}: an "
+                       f"engine needs {tensor_parallel} GPUs on one node, .*{re.escape(most)}"):
+        check_engine_gpus(tensor_parallel, nodes, resource)
+
+
+@pytest.mark.stack
+def test_place_refuses_before_waiting(ray_session):
+    """On this CPU-only Ray (no GPU at all) at once, not after the placement group's timeout."""
+    with pytest.raises(RuntimeError, match="--rollout.tensor-parallel 2: .* has is 0"):
+        place("disaggregated", "cuda", 1, 1, 0, 0, tensor_parallel=2, timeout_s=600)
