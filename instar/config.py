@@ -37,7 +37,8 @@ ESTIMATOR_CHOICES = tyro.conf.arg(  # (the hint: tyro shows a factory's default 
 @dataclass
 class ModelConfig:
     path: str = ""
-    """Hugging Face checkpoint folder. Empty: the built-in model chosen by kind/size/seed."""
+    """A Hugging Face checkpoint: a folder, or a Hub id (org/name, through the huggingface_hub
+    cache; docs/own_model.md). Empty: the built-in model chosen by kind/size/seed."""
     kind: Literal["dense", "moe", "vl"] = "dense"
     """Built-in model family (Qwen3 dense, Qwen3-MoE, or vl: a Qwen2-VL vision-language
     model, tiny only); used when `path` is empty."""
@@ -90,7 +91,7 @@ class AgentConfig:
     """Override the agent's `timeout_s` (wall-clock seconds per episode; over it = failed)."""
     judge: str = ""
     """A judge model agents can ask (`self.judge`, docs/agents.md): "policy" (the policy's
-    own engines, current weights) or a Hugging Face folder (a frozen model on an engine of its
+    own engines, current weights) or a Hugging Face folder or Hub id (a frozen model on an engine of its
     own). Empty: none. Its generations are never trained on."""
 
 
@@ -261,9 +262,9 @@ class AlgoConfig:
     kl_in_reward: bool = False
     """Subtract the KL from the rewards instead of adding it to the loss."""
     reference: str = ""
-    """Reference model for the KL (HF folder). Empty: the starting policy."""
+    """Reference model for the KL (HF folder or Hub id). Empty: the starting policy."""
     teacher: str = ""
-    """on_policy_distill: the teacher (HF folder sharing the policy's tokenizer)."""
+    """on_policy_distill: the teacher (HF folder or Hub id sharing the policy's tokenizer)."""
     gamma: float = 1.0
     """gae: discount per generated token."""
     lam: float = 1.0
