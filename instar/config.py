@@ -91,8 +91,8 @@ class AgentConfig:
     """Override the agent's `timeout_s` (wall-clock seconds per episode; over it = failed)."""
     judge: str = ""
     """A judge model agents can ask (`self.judge`, docs/agents.md): "policy" (the policy's
-    own engines, current weights) or a Hugging Face folder or Hub id (a frozen model on an engine of its
-    own). Empty: none. Its generations are never trained on."""
+    own engines, current weights) or a Hugging Face folder or Hub id (a frozen model on an
+    engine of its own). Empty: none. Its generations are never trained on."""
 
 
 @dataclass
