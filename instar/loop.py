@@ -290,9 +290,9 @@ def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], c
 def sync(r: Run, version: int) -> None:
     """The trainer's weights into the engines as `version`; their probe check starts and
     becomes `r.check`. From here on the router and admission control go by `version`."""
-    paths, r.check = sync_weights(r.trainer, r.engines, r.weights, version, r.probe,
-                                  r.cfg.rollout.sync_check_tol, r.cfg.rollout.transport)
-    r.rollouts.publish(version, paths)
+    reload, r.check = sync_weights(r.trainer, r.engines, r.weights, version, r.probe,
+                                   r.cfg.rollout.sync_check_tol, r.cfg.rollout.transport)
+    r.rollouts.publish(version, reload)  # (how an engine Ray restarts gets `version`)
 
 
 def collect(r: Run, batch: Batch) -> list[Sample]:

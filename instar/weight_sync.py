@@ -2,12 +2,20 @@
 
     sync_weights(trainer, engines, folder, v, ...)   each rank's shards -> /dev/shm -> every
                                                      engine's reload_weights (or NCCL / IPC)
+        -> reload: how an engine Ray restarts later gets version v (`Rollouts.publish`)
         -> ProbeCheck: every engine scores a fixed probe sequence (already running)
     check.result()                                   waits once; raises if an engine's log-probs
                                                      differ from the trainer's by more than tol
 
 The loop waits for the check only before the new weights' tokens are trained on or
 evaluated, so the engines' probe overlaps the next rollouts.
+
+A restarted engine holds the base checkpoint until the router calls `reload(i)`. File
+transport: it loads version v's files, kept in `folder` until the next sync. GPU transports
+keep no copy: the trainer's ranks link the new incarnation and send it their weights, if they
+still are version v (see `Trainer.resend`: the loop waits on rollouts only then). Once the
+trainer has stepped they are not: the engine waits for the next sync, which links every
+restarted engine before it sends (in the meantime the loop is training, not waiting on it).
 """
 
 import time
@@ -15,6 +23,7 @@ import time
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
+from instar.rollout.versions import Reload
 from instar.train.trainer import Trainer
 
 DEADLINE_S = 900
@@ -72,21 +81,34 @@ class ProbeCheck:
 
 
 def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, probe: list[int],
-                 tol: float, transport: str = "file") -> tuple[list[str], ProbeCheck]:
-    """Push the trainer's weights into every engine as `version`. Returns the weight files
-    (file transport; for an engine that restarts later) and the engines' probe check, already
+                 tol: float, transport: str = "file") -> tuple[Reload, ProbeCheck]:
+    """Push the trainer's weights into every engine as `version`. Returns how an engine that
+    restarts later gets them (see the module docstring) and the engines' probe check, already
     running: wait for it before the new weights' tokens are trained on or evaluated."""
-    paths = []
     if transport == "file":  # each rank's shards through `folder` (RAM), into reload_weights
         paths = trainer.save_shards(folder)
         loads = [e.load_weights.remote(paths, version) for e in engines]
         expected = trainer.probe(probe)  # while the engines load
         on_engines(engines, "load_weights", paths, version, refs=loads)  # (a restarted one too)
+
+        async def reload(i: int) -> bool:
+            await engines[i].load_weights.remote(paths, version)
+            return True
     else:  # device to device: NCCL or CUDA IPC
+        trainer.link(on_engines(engines, "incarnation"))  # (a restarted engine: linked anew)
         ray.get([e.pause.remote(version) for e in engines])
         try:
-            trainer.send_weights()
+            trainer.send_weights(version)
         finally:
             ray.get([e.resume.remote(version) for e in engines])
         expected = trainer.probe(probe)
-    return paths, ProbeCheck(engines, probe, expected, tol)
+
+        async def reload(i: int) -> bool:
+            refs = trainer.resend(i, await engines[i].incarnation.remote(), version)
+            if refs is None:
+                return False
+            for ref in refs:  # (the router holds the restarted engine's requests meanwhile)
+                await ref
+            await engines[i].resume.remote(version)  # it holds `version` from now on
+            return True
+    return reload, ProbeCheck(engines, probe, expected, tol)

@@ -25,7 +25,8 @@ def test_an_engine_fits_on_a_node_with_enough_gpus(tensor_parallel, nodes, resou
 @pytest.mark.parametrize("tensor_parallel, nodes, resource, most", [
     (2, [node(1), node(1)], "", "has is 1"),  # two nodes of one GPU: an engine is never split
     (4, [node(8, alive=False), node(2)], "", "has is 2"),
-    (4, [node(8), node(2, rollout=2.0)], "rollout", "any 'rollout' node of the Ray cluster has is 2"),
+    (4, [node(8), node(2, rollout=2.0)], "rollout", "any 'rollout' node of the Ray cluster "
+     "has is 2"),
     (2, [node(0)], "", "has is 0"),
 ])
 def test_an_engine_larger_than_every_node_is_refused(tensor_parallel, nodes, resource, most):

@@ -209,6 +209,13 @@ class Engine:
         finally:
             await self.resume(version)
 
+    def incarnation(self) -> str:
+        """This life of the engine (Ray restarts a dead one in a new worker process): a GPU
+        transport's link is to one incarnation; the trainer links a new one again."""
+        import ray
+
+        return ray.get_runtime_context().get_worker_id()
+
     # GPU transports: vLLM's weight-transfer engine, driven from the trainer's side (see
     # Rank.connect in instar/train/rank.py); these four are the calls its Ray client makes.
     async def init_weight_transfer_engine(self, request) -> None:

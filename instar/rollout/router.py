@@ -3,11 +3,13 @@
 An episode's first request goes to the engine with the fewest live episodes; its later
 turns go to the same engine, whose prefix cache already holds the conversation.
 
-An engine that dies is restarted by Ray (from the base checkpoint); the router then loads
-the current weights into it before it serves again, and the episodes it was running are
-restarted. An engine that hangs (it has requests but generates no token for `hang_s`, or
-stops answering) is killed by the router's watchdog and then restarted the same way. An
-engine never generates with weights older than the run's current version (`Versions`).
+An engine that dies is restarted by Ray (from the base checkpoint); the router then gives it
+the current weights before it serves again (the `reload` published with them: the version's
+files, or, over NCCL/IPC, a send from the trainer; see instar/weight_sync.py), and the
+episodes it was running are restarted. An engine that hangs (it has requests but generates
+no token for `hang_s`, or stops answering) is killed by the router's watchdog and then
+restarted the same way. An engine never generates with weights older than the run's current
+version (`Versions`).
 """
 
 import asyncio
@@ -69,8 +71,9 @@ class Router:
 
     async def _recover(self, i: int) -> None:
         """Wait for Ray to restart engine i, then give it the current weights (once, however
-        many episodes noticed)."""
-        async def reload():
+        many episodes noticed). If the current version can no longer be had (the trainer has
+        stepped since: GPU transports), wait for the next one, whose sync brings it."""
+        async def recover():
             try:
                 while True:  # "unavailable" while Ray restarts it; "died" once it gives up
                     try:
@@ -78,12 +81,16 @@ class Router:
                         break
                     except ActorUnavailableError:
                         await asyncio.sleep(1)
-                if weights := self.versions.weights.get(self.policy):
-                    await self.engines[i].load_weights.remote(weights, self.versions[self.policy])
+                version = self.versions[self.policy]
+                reload = self.versions.reload.get(self.policy)
+                if reload and not await reload(i):
+                    async with self.versions.changed:
+                        await self.versions.changed.wait_for(
+                            lambda: self.versions[self.policy] > version)
             finally:
                 del self.recovering[i]
         if i not in self.recovering:
-            self.recovering[i] = asyncio.ensure_future(reload())
+            self.recovering[i] = asyncio.ensure_future(recover())
         await asyncio.shield(self.recovering[i])
 
     async def watch(self) -> None:

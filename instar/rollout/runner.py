@@ -26,7 +26,7 @@ from instar.gateway.episode import run_chat_episode
 from instar.gateway.server import Gateway
 from instar.rollout.engine import stop_engines
 from instar.rollout.router import Router
-from instar.rollout.versions import POLICY, Versions
+from instar.rollout.versions import POLICY, Reload, Versions
 from instar.sample import Sample
 
 
@@ -171,10 +171,11 @@ class Rollouts:
         """Run `coro` on the rollout loop; a concurrent.futures.Future of its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def publish(self, version: int, weights: list[str], policy: str = POLICY) -> None:
-        """The engines now hold `version` of `policy` (files `weights`, for an engine that
-        restarts): the router and admission control go by it from now on."""
-        self.submit(self.versions.advance(policy, version, weights)).result()
+    def publish(self, version: int, reload: Reload | None, policy: str = POLICY) -> None:
+        """The engines now hold `version` of `policy` (an engine that restarts gets it through
+        `reload`, see instar/weight_sync.py): the router and admission control go by it from
+        now on."""
+        self.submit(self.versions.advance(policy, version, reload)).result()
 
     def run(self, tasks: list[Task], n: int, sampling: dict, tag: str) -> Batch:
         """`n` episodes of each task (blocks until all are done)."""

@@ -261,11 +261,26 @@ class Rank:
     def load_checkpoint(self, path: str) -> dict:
         return checkpoint.load(Path(path), self.model, self.opt)
 
-    def connect(self, engines: list, transport: str) -> None:
-        """GPU transports through vLLM's weight-transfer engines, one per inference engine:
-        "nccl" (engines on other GPUs: a broadcast group of this rank and the engine) or
-        "ipc" (an engine on this GPU: CUDA IPC handles). Every rank takes part, since
-        gathering a full tensor is a collective; rank 0 sends."""
+    def connect(self, engines: list, transport: str, tensor_parallel: int = 1) -> None:
+        """Set up the GPU transports (vLLM's weight-transfer engines); `link` then joins each
+        engine. Every rank runs them: a full tensor is gathered by all (FSDP2's
+        `full_tensor()`), and rank 0 alone sends it (vLLM's `is_sender`).
+
+        "nccl" (engines on GPUs of their own): rank 0 forms one broadcast group with each
+        engine, of 1 + `tensor_parallel` members (rank 0 as 0, then the engine's TP workers,
+        each loading the full tensors it gets). One group per engine: vLLM places every
+        engine's workers from rank 1, so engines cannot share a group; each send gathers the
+        weights again. The other ranks are in no group: they only join the gathers.
+        "ipc" (engine i on rank i's GPU): every rank exports a CUDA IPC handle of its own
+        gathered copy; rank 0 ships them all, and each engine opens the one of its device. So
+        one send serves every engine, and an engine with no rank on its GPU gets nothing."""
+        torch.cuda.set_device(self.device)
+        self.engines, self.transport, self.tensor_parallel = engines, transport, tensor_parallel
+        self.source = engine_source(self.model, self.dtype)
+        self.transfers: dict[int, object] = {}
+        self.everyone = self._transfer(engines) if transport == "ipc" else None
+
+    def _transfer(self, engines: list):
         from vllm.distributed.weight_transfer import (
             RayVLLMWeightSyncClient,
             WeightTransferTrainerFactory,
@@ -274,20 +289,31 @@ class Rank:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         from vllm.utils.network_utils import get_ip, get_open_port
 
-        torch.cuda.set_device(self.device)
-        self.transfers = []
-        for engine in engines:  # engines run with tensor parallel 1: a group of two
-            info = (NCCLTrainerInitInfo(master_address=get_ip(), master_port=get_open_port(),
-                                        world_size=2, rank=self.rank) if transport == "nccl"
-                    else IPCTrainerInitInfo(rank=self.rank))
-            self.transfers.append(WeightTransferTrainerFactory.trainer_init(
-                info, client=RayVLLMWeightSyncClient(engine),
-                source=engine_source(self.model, self.dtype)))
+        if self.transport == "ipc":
+            info = IPCTrainerInitInfo(rank=self.rank)
+        else:  # (the address is rank 0's, the one member of the group on the trainer's side)
+            info = NCCLTrainerInitInfo(master_address=get_ip(), world_size=1 + self.tensor_parallel,
+                                       master_port=get_open_port() if self.rank == 0 else 0,
+                                       rank=self.rank)
+        return WeightTransferTrainerFactory.trainer_init(
+            info, client=RayVLLMWeightSyncClient(engines), source=self.source)
+
+    def link(self, engine: int) -> None:
+        """Join engine `engine` (again, after Ray restarted it: its old group died with it)."""
+        if old := self.transfers.pop(engine, None):
+            old.shutdown()
+        self.transfers[engine] = self._transfer([self.engines[engine]])
 
     @torch.no_grad()
-    def send_weights(self) -> None:
-        for transfer in self.transfers:
-            transfer.send_weights()
+    def send_weights(self, engine: int | None = None) -> None:
+        """The weights to every engine, or to `engine` only (every rank calls)."""
+        if engine is not None:
+            self.transfers[engine].send_weights()
+        elif self.everyone is not None:
+            self.everyone.send_weights()
+        else:
+            for i in sorted(self.transfers):  # (in one order on every rank: they gather)
+                self.transfers[i].send_weights()
 
     def shutdown(self) -> None:
         dist.destroy_process_group()

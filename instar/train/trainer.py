@@ -7,9 +7,14 @@ in the cluster. The driver calls the group; every call goes to all of its ranks.
 
 What a rank runs is instar/train/rank.py, which needs no Ray; the actor, `TrainWorker`, only
 adds the rendezvous of the group through Ray (see instar/cluster.py).
+
+Two threads call the policy's trainer: the loop, and with a GPU transport the router, to give
+an engine Ray restarted the current weights (`resend`). The ranks' calls are collectives, so
+every rank must get them in one order: each call reaches all ranks under one lock.
 """
 
 import os
+import threading
 from pathlib import Path
 
 import ray
@@ -57,7 +62,19 @@ class Trainer:
                                       runtime_env=RANK_ENV)
                         .remote(r, t.num_ranks, master, model_path, **options)
                         for r in range(t.num_ranks)]
-        self.cfg = cfg
+        self.cfg, self.lock = cfg, threading.Lock()
+        self.linked: dict[int, str] = {}
+        """GPU transports: the incarnation of each engine the ranks are linked to."""
+        self.sent: int | None = 0
+        """GPU transports: the weight version the engines were last sent, while the ranks still
+        hold it (None once a step or a checkpoint load changed them). The engines start from
+        the ranks' checkpoint: 0."""
+
+    def _submit(self, method: str, *args, parts: list | None = None) -> list:
+        """Call `method` on every rank (rank r's first argument: parts[r], if given); the refs."""
+        with self.lock:
+            return [getattr(w, method).remote(*([parts[r]] if parts is not None else []), *args)
+                    for r, w in enumerate(self.workers)]
 
     def _shards(self, seqs: list[Sequence]) -> tuple[list[int], list]:
         """Sorted by length (less padding, even loads), then split over ranks and micro-batches."""
@@ -70,9 +87,10 @@ class Trainer:
         c = self.cfg
         num_tokens = sum(sum(s.mask) for s in seqs)
         num_seqs = sum(any(s.mask) for s in seqs)
-        per_rank = ray.get([w.train_step.remote(part, loss, c.algo, num_tokens, num_seqs,
-                                                c.rollout.temperature, lr, c.train.grad_clip)
-                            for w, part in zip(self.workers, self._shards(seqs)[1])])
+        self.sent = None
+        per_rank = ray.get(self._submit("train_step", loss, c.algo, num_tokens, num_seqs,
+                                        c.rollout.temperature, lr, c.train.grad_clip,
+                                        parts=self._shards(seqs)[1]))
         out = {k: sum(r.get(k, 0.0) for r in per_rank) for k in per_rank[0]}
         out["grad_norm"] = per_rank[0]["grad_norm"]  # the same on every rank
         return out
@@ -81,8 +99,7 @@ class Trainer:
         """Per-token log-probs (a critic: values) of `seqs`, in order, under the current weights."""
         order, shards = self._shards(seqs)
         world, ranked = len(self.workers), [None] * len(seqs)
-        for r, out in enumerate(ray.get([w.score.remote(part, temperature)
-                                         for w, part in zip(self.workers, shards)])):
+        for r, out in enumerate(ray.get(self._submit("score", temperature, parts=shards))):
             ranked[r::world] = out
         scores = [None] * len(seqs)
         for j, i in enumerate(order):
@@ -95,23 +112,59 @@ class Trainer:
 
     def save_shards(self, folder: str) -> list[str]:
         """Each rank writes its shards of the weights that training changes; the files."""
-        return ray.get([w.save_shard.remote(folder) for w in self.workers])
+        return ray.get(self._submit("save_shard", folder))
 
     def save_checkpoint(self, root: Path, step: int, state: dict, keep: int) -> None:
-        ray.get([w.save_checkpoint.remote(str(root), step, state, keep) for w in self.workers])
+        ray.get(self._submit("save_checkpoint", str(root), step, state, keep))
 
     def load_checkpoint(self, path: Path) -> dict:
-        return ray.get([w.load_checkpoint.remote(str(path)) for w in self.workers])[0]
+        self.sent = None
+        return ray.get(self._submit("load_checkpoint", str(path)))[0]
 
     def connect(self, engines: list, transport: str) -> None:
-        ray.get([w.connect.remote(engines, transport) for w in self.workers])
+        """Link the ranks to `engines` through a GPU transport, "nccl" or "ipc" (see
+        `Rank.connect`)."""
+        if transport == "ipc" and len(engines) > len(self.workers):
+            raise ValueError(f"--rollout.transport ipc: {len(engines)} engines but "
+                             f"{len(self.workers)} trainer ranks; each engine loads from the "
+                             "rank on its GPU, so use at most --train.num-ranks engines")
+        ray.get(self._submit("connect", engines, transport, self.cfg.rollout.tensor_parallel))
+        self.link(ray.get([e.incarnation.remote() for e in engines]))
 
-    def send_weights(self) -> None:
-        ray.get([w.send_weights.remote() for w in self.workers])
+    def link(self, incarnations: list[str]) -> None:
+        """Link the ranks to every engine whose incarnation (`Engine.incarnation`) is new: at
+        the start, and after Ray restarted it."""
+        with self.lock:
+            refs = [ref for i, inc in enumerate(incarnations) for ref in self._relink(i, inc)]
+        ray.get(refs)
+
+    def send_weights(self, version: int) -> None:
+        """Send the ranks' weights to every linked engine, as `version`."""
+        with self.lock:
+            self.sent = version
+            refs = [w.send_weights.remote() for w in self.workers]
+        ray.get(refs)
+
+    def resend(self, engine: int, incarnation: str, version: int) -> list | None:
+        """Send `version` to engine `engine` alone (an engine Ray restarted: it is linked
+        first); the refs to wait for. None if the ranks no longer hold `version`: the weights
+        changed since (the next sync brings the new ones) or a later sync is under way."""
+        with self.lock:
+            if self.sent != version:
+                return None
+            return self._relink(engine, incarnation) + [w.send_weights.remote(engine)
+                                                        for w in self.workers]
+
+    def _relink(self, engine: int, incarnation: str) -> list:
+        """(Under the lock.) The refs of linking the ranks to `engine`, if it is new."""
+        if self.linked.get(engine) == incarnation:
+            return []
+        self.linked[engine] = incarnation
+        return [w.link.remote(engine) for w in self.workers]
 
     def save_weights(self, path: str) -> None:
         """The full weights in one file (every rank gathers, rank 0 writes)."""
-        ray.get([w.save_weights.remote(path) for w in self.workers])
+        ray.get(self._submit("save_weights", path))
 
     def export(self, base: Path, out: Path) -> None:
         """Write an HF folder: the base model's config and tokenizer with the current weights."""
@@ -120,7 +173,7 @@ class Trainer:
     def shutdown(self) -> None:
         """Leave the process group and end the ranks' actors (their processes with them)."""
         try:
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+            ray.get(self._submit("shutdown"), timeout=60)
         finally:
             for w in self.workers:
                 ray.kill(w)
