@@ -2,6 +2,7 @@
 the package. The images are not built here (no Docker daemon; the GPU one needs CUDA);
 docs/scale_out.md has the build and run lines."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -46,3 +47,18 @@ def test_copied_files_are_enough_to_build_the_package(name, tmp_path):
                            str(tmp_path / "ctx")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert [p.name.split("-")[0] for p in (tmp_path / "wheel").iterdir()] == ["instar"]
+
+
+def test_the_gpu_image_installs_a_vllm_of_the_gpu_extras_range():
+    """The image and `pip install instar[gpu]` get a vLLM of the range the code is written
+    against (it imports vLLM internals)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((DOCKER.parent / "pyproject.toml").read_text())
+    (vllm,) = [Requirement(r) for r in extra["project"]["optional-dependencies"]["gpu"]
+               if Requirement(r).name == "vllm"]
+    image = re.search(r"^ARG VLLM_VERSION=(\S+)$", (DOCKER / "Dockerfile.gpu").read_text(), re.M)
+    assert image and vllm.specifier.contains(image.group(1)), (vllm, image)
+    assert vllm.specifier.contains("0.32.0") and not vllm.specifier.contains("0.33.0")
