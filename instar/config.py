@@ -455,6 +455,10 @@ class Config:
         if r.transport == "ipc" and r.placement != "colocated":
             raise ValueError("--rollout.transport ipc needs --rollout.placement colocated (CUDA "
                              "IPC shares a device); use nccl for disaggregated engines")
+        if r.transport == "ipc" and r.num_engines > self.train.num_ranks:
+            raise ValueError("--rollout.transport ipc needs an engine per trainer rank at most "
+                             "(each engine opens the weights of the rank on its GPU): set "
+                             "--rollout.num-engines <= --train.num-ranks")
         if r.transport == "nccl" and r.placement != "disaggregated":
             raise ValueError("--rollout.transport nccl needs --rollout.placement disaggregated "
                              "(NCCL refuses two ranks on one device); use ipc when colocated")

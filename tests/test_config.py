@@ -38,6 +38,8 @@ def changed(**settings) -> Config:
     (dict(train__master_dtype="bfloat16"), "--train.master-dtype bfloat16"),
     (dict(rollout__transport="nccl"), "--rollout.transport nccl needs GPUs"),
     (dict(rollout__tensor_parallel=0), "--rollout.tensor-parallel"),
+    (dict(rollout__transport="ipc", cluster__device="cuda", rollout__num_engines=3,
+          rollout__max_staleness=0), "--rollout.transport ipc needs an engine per trainer rank"),
     (dict(rollout__tensor_parallel=2, rollout__placement="disaggregated"),
      "--rollout.tensor-parallel 2 needs --cluster.device cuda and --rollout.placement "
      "disaggregated: such an engine spans 2 GPUs of its own"),

@@ -123,11 +123,7 @@ class Trainer:
 
     def connect(self, engines: list, transport: str) -> None:
         """Link the ranks to `engines` through a GPU transport, "nccl" or "ipc" (see
-        `Rank.connect`)."""
-        if transport == "ipc" and len(engines) > len(self.workers):
-            raise ValueError(f"--rollout.transport ipc: {len(engines)} engines but "
-                             f"{len(self.workers)} trainer ranks; each engine loads from the "
-                             "rank on its GPU, so use at most --train.num-ranks engines")
+        `Rank.connect`; ipc: at most one engine per rank, `Config.validate` checks)."""
         ray.get(self._submit("connect", engines, transport, self.cfg.rollout.tensor_parallel))
         self.link(ray.get([e.incarnation.remote() for e in engines]))
 
