@@ -35,6 +35,19 @@ def check_engine_gpus(tensor_parallel: int, nodes: list[dict], resource: str = "
             f"Ray cluster has is {max(gpus, default=0):g}; lower --rollout.tensor-parallel")
 
 
+def check_gpu_count(bundles: list[dict], nodes: list[dict], mode: str) -> None:
+    """Refuse a layout that needs more GPUs than the Ray cluster has, at once and saying which
+    flags to set (Ray would wait for them forever)."""
+    need = sum(b.get("GPU", 0) for b in bundles)
+    have = sum(n["Resources"].get("GPU", 0) for n in nodes if n.get("Alive", True))
+    if need > have:
+        count = ("max(--rollout.num-engines, --train.num-ranks)" if mode == "colocated" else
+                 "--rollout.num-engines x --rollout.tensor-parallel + --train.num-ranks")
+        raise RuntimeError(f"{mode} engines and trainer ranks need {need:g} GPUs ({count}), but "
+                           f"the Ray cluster has {have:g}: lower --rollout.num-engines or "
+                           f"--train.num-ranks")
+
+
 def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus: int,
           rank_cpus: int, engine_resource: str = "", rank_resource: str = "", *,
           tensor_parallel: int = 1, one_host: bool = False,
@@ -57,6 +70,8 @@ def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus:
         rank = {"CPU": rank_cpus, **gpu, **({rank_resource: 1} if rank_resource else {})}
         bundles = [engine] * num_engines + [rank] * num_ranks
         engine_at, rank_at = list(range(num_engines)), list(range(num_engines, len(bundles)))
+    if gpu:
+        check_gpu_count(bundles, ray.nodes(), mode)
     pg = placement_group(bundles, strategy="PACK")
     if not pg.wait(timeout_s):
         ray.util.remove_placement_group(pg)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from instar.placement import check_engine_gpus, place
+from instar.placement import check_engine_gpus, check_gpu_count, place
 
 
 def node(gpus: float, alive: bool = True, **resources) -> dict:
@@ -33,6 +33,19 @@ def test_an_engine_larger_than_every_node_is_refused(tensor_parallel, nodes, res
     with pytest.raises(RuntimeError, match=f"--rollout.tensor-parallel {tensor_parallel}: an "
                        f"engine needs {tensor_parallel} GPUs on one node, .*{re.escape(most)}"):
         check_engine_gpus(tensor_parallel, nodes, resource)
+
+
+@pytest.mark.parametrize("mode, bundles, nodes, need", [
+    ("colocated", [{"GPU": 1}] * 2, [node(1)], "need 2 GPUs (max(--rollout.num-engines, "),
+    ("disaggregated", [{"GPU": 2}, {"GPU": 1}, {"GPU": 1}], [node(2), node(1, alive=False)],
+     "need 4 GPUs (--rollout.num-engines x --rollout.tensor-parallel + --train.num-ranks), "
+     "but the Ray cluster has 2: lower"),
+])
+def test_a_layout_larger_than_the_cluster_says_which_flags_to_set(mode, bundles, nodes, need):
+    """The default GPU run (colocated, 2 ranks) on a 1-GPU machine: one sentence, at once."""
+    with pytest.raises(RuntimeError, match=re.escape(need)):
+        check_gpu_count(bundles, nodes, mode)
+    check_gpu_count(bundles, [node(8)], mode)  # enough
 
 
 @pytest.mark.stack
