@@ -53,6 +53,14 @@ def snapshot(repo_id: str, flag: str, repo_type: str = "model") -> Path:
                      "a local folder") from error
 
 
+def model_name(path: Path) -> str:
+    """What the gateway calls the model at `path`: the Hub id of a cached snapshot (not its
+    commit hash), else the folder's name."""
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name
+
+
 def resolve_model(spec: str, flag: str) -> Path:
     """The folder of the model `spec` names: a local folder with config.json, or a Hub id."""
     path = Path(spec).expanduser()

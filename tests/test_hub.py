@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import constants
 
 from instar.config import Config
-from instar.hub import resolve_model
+from instar.hub import model_name, resolve_model
 from instar.inputs import model_path, other_model_paths, run_inputs
 from instar.tasks.tiny_model import builtin_model
 
@@ -62,11 +62,13 @@ def test_a_hub_id_resolves_to_its_cached_snapshot_offline(hub):
     assert model_path(config(model__path="org/tiny")) == snapshot
     inputs = run_inputs(config(model__path="org/tiny"))
     assert inputs.model_path == snapshot and inputs.tokenizer.encode("abc")
+    assert model_name(snapshot) == "org/tiny"  # what the gateway calls it, not the commit
+    assert model_name(builtin_model("dense", "tiny", 0)) == builtin_model("dense", "tiny", 0).name
 
 
 def test_the_environment_chooses_the_cache_and_offline_mode(hub, tmp_path):
     """HF_HUB_CACHE and HF_HUB_OFFLINE=1 as a user sets them, in a fresh process."""
-    code = "from instar.hub import resolve_model; print(resolve_model('org/tiny', '--model.path'))"
+    code = "from instar.hub import model_name, resolve_model; print(resolve_model('org/tiny', '--model.path'))"
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
