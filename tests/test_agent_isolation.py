@@ -42,7 +42,8 @@ class FakeEngine:
         return SimpleNamespace(token_ids=self.ids, logprobs=[-1.0] * len(self.ids),
                                versions=[0] * len(self.ids), finish_reason="stop",
                                text=self.text, stop=None, engine=0, routed_experts=None,
-                               prompt_ids=None)
+                               prompt_ids=None, reasoning=None, content=self.text, tool_calls=[],
+                               tool_call_errors=0)
 
 
 def rollouts(agent_cls, tokenizer, tasks, tag, n=1, judge="", **engine):

@@ -10,7 +10,7 @@ from conftest import serve_model, teach
 from transformers import AutoTokenizer
 
 from instar.agents.loading import load_agent, load_tasks
-from instar.agents.tool_parser import parse_hermes
+from instar.rollout.parsers import Parsers
 from instar.rollout.runner import Rollouts
 from instar.tasks.tool_use_data import demo, tool_use_data
 from instar.tasks.tools import call_tool
@@ -67,7 +67,7 @@ def test_tool_use_env_and_chat_agent(agent, taught, taught_engine):
     pieces = runs(s.loss_mask)  # prompt, turn 1, observation, turn 2, observation, turn 3
     assert [m for m, _, _ in pieces] == [False, True, False, True, False, True]
     turns = [s.tokens[a:b] for m, a, b in pieces if m]
-    calls = [parse_hermes(tok.decode(t)) for t in turns]
+    calls = [Parsers(tok).parse(tok.decode(t)).tool_calls for t in turns]
     assert [[c["name"] for c in turn] for turn in calls] == [["lookup", "lookup"],
                                                              ["calculator"], []]
     assert [c["arguments"]["key"] for c in calls[0]] == row["needed"]

@@ -26,6 +26,8 @@ _MARKS = re.compile(f"({_OPEN}|{_CLOSE})")
 
 def _marked(messages: list[Message]) -> list[Message]:
     mark = lambda text: f"{_OPEN}{text}{_CLOSE}"  # noqa: E731
+    messages = [{**m, "reasoning_content": mark(m["reasoning_content"])}
+                if isinstance(m.get("reasoning_content"), str) else m for m in messages]
     return [{**m, "content": mark(m["content"]) if isinstance(m.get("content"), str) else
              [{**p, "text": mark(p["text"])} if isinstance(p, dict) and isinstance(
                  p.get("text"), str) else p for p in m["content"]]}
@@ -41,7 +43,8 @@ def _added(tokenizer) -> re.Pattern:
 
 def _literal(tokenizer, messages: list[Message]) -> bool:
     """Whether some message text holds an added token's string (then it is rendered marked)."""
-    texts = [c if isinstance(c := m.get("content"), str) else "" for m in messages] + [
+    texts = [c if isinstance(c := m.get(key), str) else "" for m in messages
+             for key in ("content", "reasoning_content")] + [
         p["text"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]
         if isinstance(p, dict) and isinstance(p.get("text"), str)]
     return any(_added(tokenizer).search(text) for text in texts)
@@ -107,7 +110,8 @@ def continuation_ids(tokenizer, before: list[Message], after: list[Message],
 def canonical(message: Message) -> Message:
     """A message reduced to what the chat template renders (ids and names dropped), so a
     client's echo of an earlier turn compares equal to what instar recorded. Content is a
-    string, or a list of text and image parts when it has images."""
+    string, or a list of text and image parts when it has images; an assistant's reasoning
+    (`reasoning_content`, or vLLM's `reasoning`) is `reasoning_content`, which templates read."""
     content = message.get("content")
     if isinstance(content, list) and any(p.get("type") == "image" for p in content):
         content = [p if p["type"] == "image" else {"type": "text", "text": p.get("text", "")}
@@ -115,6 +119,9 @@ def canonical(message: Message) -> Message:
     elif isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
     out: Message = {"role": message["role"], "content": content or ""}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if isinstance(reasoning, str):
+        out["reasoning_content"] = reasoning
     calls = []
     for call in message.get("tool_calls") or []:
         f = call.get("function", call)

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from instar.agents.judge import Judge
-from instar.agents.tool_parser import parse_hermes
 
 Message = dict[str, Any]
 
@@ -33,11 +32,16 @@ class Action:
     """What the model produced in one turn."""
 
     text: str
-    """The decoded completion (tool-call markup included)."""
+    """The decoded completion (reasoning and tool-call markup included)."""
     token_ids: list[int]
     """The exact ids the engine sampled."""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    """Parsed tool calls, each `{"name": str, "arguments": dict}`."""
+    """Parsed tool calls, each `{"name": str, "arguments": dict}` (by the run's
+    --model.tool-parser, or by `Env.parse_tool_calls` where the Env overrides it)."""
+    reasoning: str | None = None
+    """The reasoning ("thinking") by --model.reasoning-parser; None when there is none."""
+    content: str = ""
+    """The reply: `text` without its reasoning and without the parsed tool calls' markup."""
 
 
 @dataclass(slots=True)
@@ -100,9 +104,10 @@ class Env:
     async def step(self, action: Action) -> Result:
         raise NotImplementedError
 
-    def parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
-        """Tool calls in the model's output; override for models with another format."""
-        return parse_hermes(text)
+    def parse_tool_calls(self, text: str) -> list[dict[str, Any]] | None:
+        """Tool calls in the model's output (`Action.text`); None: the engine's, by the run's
+        --model.tool-parser (vLLM's parsers). Override only for a format no vLLM parser reads."""
+        return None
 
 
 class ChatAgent:

@@ -41,6 +41,11 @@ class Generated(Protocol):
     routed_experts: list | None
     prompt_ids: list[int] | None
     """With images: the prompt as the engine expanded it."""
+    reasoning: str | None
+    content: str | None
+    """`text` without reasoning and tool-call markup (None: not parsed)."""
+    tool_calls: list[dict]
+    tool_call_errors: int
 
 
 Generate = Callable[[list[int], dict[str, Any], list[str]], Awaitable[Generated]]
@@ -97,7 +102,10 @@ class AgentThread:
 
 
 async def _step(env: Env, gen: Generated):  # (parse_tool_calls, overridable, is agent code too)
-    return await env.step(Action(gen.text, list(gen.token_ids), env.parse_tool_calls(gen.text)))
+    calls = env.parse_tool_calls(gen.text)  # None: the engine's parse
+    return await env.step(Action(gen.text, list(gen.token_ids),
+                                 list(gen.tool_calls) if calls is None else calls, gen.reasoning,
+                                 gen.text if gen.content is None else gen.content))
 
 
 async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
@@ -107,6 +115,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
     tokens = prompt_ids(tokenizer, messages, env.tools)
     mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
     reward, turn_rewards, info, finish, routing = 0.0, [], {}, "max_turns", None
+    call_errors = 0
     for _ in range(env.max_turns):
         budget = env.max_tokens - len(tokens)
         if budget <= 0:
@@ -125,6 +134,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         versions += gen.versions
         seen = (len(tokens), len(images))  # what the engine has seen (and expanded)
         routing = gen.routed_experts  # every position the engine has run (GPU MoE only)
+        call_errors += gen.tool_call_errors
         result = await call(_step, env, gen)
         reward += result.reward
         turn_rewards.append(result.reward)
@@ -155,7 +165,8 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         # token, a last observation) affect no trained log-prob: they repeat the last row
         routing = routing[:len(tokens)] + routing[-1:] * (len(tokens) - len(routing))
     return dict(tokens=tokens, loss_mask=mask, logprobs=logprobs, versions=versions,
-                reward=reward, finish_reason=finish, info={**info, "turn_rewards": turn_rewards},
+                reward=reward, finish_reason=finish,
+                info={**info, "turn_rewards": turn_rewards, "tool_call_errors": call_errors},
                 routed_experts=routing, images=images or None)
 
 

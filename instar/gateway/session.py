@@ -7,6 +7,10 @@
     request 3: [sys, summary, user]        rewrites history         -> seal segment 0,
                                               segment 1 starts from a full render
 
+An assistant turn extends the record only when the client sends it back as it was answered:
+its text, its tool calls and its reasoning (OpenAI `reasoning_content`, Anthropic `thinking`
+blocks). A client that drops the reasoning rewrites history (a new segment, rendered from what
+it sent); the sampled reasoning tokens are trained either way.
 A retried identical request is answered from the previous reply and not recorded twice.
 Nothing is recorded until a request is accepted, so a refused request changes nothing.
 With images, each request sends all of the conversation's images; the segment takes the
@@ -69,6 +73,8 @@ class Session:
         self.tools: list[dict] | None = None
         self.last_key, self.last_reply = "", None
         self.ended_with_eos, self.finish_reason, self.turns = True, "stop", 0
+        self.tool_call_errors = 0
+        """Tool calls the model began that did not parse, over the episode's turns."""
 
     def plan(self, messages: list[Message], tools: list[dict] | None, options: Any = None) -> Turn:
         """`options`: the request's other fields that shape the reply (max_tokens, stop): a
@@ -117,6 +123,7 @@ class Session:
         self.tools = tools
         self.ended_with_eos = gen.token_ids[-1:] == [self.tokenizer.eos_token_id]
         self.finish_reason, self.turns = gen.finish_reason, self.turns + 1
+        self.tool_call_errors += gen.tool_call_errors
         self.last_key, self.last_reply = turn.key, response
 
     def samples(self, reward: float, info: dict[str, Any], task_id: str = "") -> list[Sample]:
@@ -126,5 +133,6 @@ class Session:
                        tokens=s.tokens, loss_mask=s.loss_mask, logprobs=s.logprobs,
                        versions=s.versions, reward=reward, finish_reason=finish,
                        sampling=self.sampling, images=s.images or None,
-                       info={**info, "turns": self.turns, "sealed_because": s.sealed_because})
+                       info={**info, "turns": self.turns, "sealed_because": s.sealed_because,
+                             "tool_call_errors": self.tool_call_errors})
                 for i, s in enumerate(self.segments) if any(s.loss_mask)]

@@ -5,19 +5,22 @@ into the wire's response (`response`) or event stream (`stream`), and a refusal 
 wire's own error shape (`error`). Chat messages are the Hugging Face / OpenAI form that the
 chat template renders; images (OpenAI `image_url` parts, Anthropic `image` blocks, both as
 base64 data) become `{"type": "image", "image": data URL}` parts (instar/agents/images.py).
+Tool calls and reasoning come parsed by the engine (instar/rollout/parsers.py); reasoning goes
+out as OpenAI `reasoning_content` and Anthropic `thinking` blocks, and comes back the same way
+in an assistant message (as `reasoning_content`, which chat templates read).
 """
 
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from instar.agents.images import image_part
-from instar.agents.tool_parser import parse_hermes
 
-_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+THINKING_SIGNATURE = ""
+"""The `signature` of the thinking blocks instar sends (the wire requires the field; instar
+signs nothing and checks nothing that comes back)."""
 
 
 class WireError(Exception):
@@ -47,7 +50,7 @@ class Request:
 
 @dataclass
 class Reply:
-    """A generation split into the assistant's text and its tool calls."""
+    """A generation split into the assistant's reasoning, text and tool calls."""
 
     text: str
     calls: list[dict]
@@ -58,10 +61,13 @@ class Reply:
     completion_tokens: int
     logprobs: list[tuple[str, float]] | None = None
     """(token text, log-prob) of each generated token, when the request asked for them."""
+    reasoning: str | None = None
 
     @property
     def message(self) -> dict:
         msg = {"role": "assistant", "content": self.text}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
         if self.calls:
             msg["tool_calls"] = [{"name": c["name"], "arguments": c["arguments"]}
                                  for c in self.calls]
@@ -78,16 +84,19 @@ def _encodable(x) -> bool:
 
 
 def make_reply(gen, req: Request, prompt_tokens: int, tokenizer=None) -> Reply:
-    """The wire-neutral reply; sampled tool calls that no JSON response could carry (NaN
-    arguments, a lone surrogate in a name) stay text."""
-    calls = parse_hermes(gen.text) if req.parse_tools else []
-    calls = calls if _encodable(calls) else []
-    text = _CALL_BLOCK.sub("", gen.text).strip() if calls else gen.text
+    """The wire-neutral reply from the engine's parse. Tool calls the request does not want
+    (tool_choice none) or that no JSON response could carry (NaN arguments, a lone surrogate
+    in a name) leave the whole completion as text, as sampled."""
+    calls = gen.tool_calls if req.parse_tools and _encodable(gen.tool_calls) else []
+    text, reasoning = gen.content, gen.reasoning
+    if gen.content is None or len(calls) < len(gen.tool_calls):
+        text, reasoning = gen.text, None
     calls = [{**c, "id": f"call_{uuid.uuid4().hex[:24]}"} for c in calls]
     finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
     logprobs = [(tokenizer.decode([t]), lp) for t, lp in zip(gen.token_ids, gen.logprobs)] \
         if req.logprobs else None
-    return Reply(text, calls, finish, gen.stop, prompt_tokens, len(gen.token_ids), logprobs)
+    return Reply(text, calls, finish, gen.stop, prompt_tokens, len(gen.token_ids), logprobs,
+                 reasoning)
 
 
 def _fields(body: dict, known: set[str], neutral: dict[str, Any]) -> None:
@@ -245,6 +254,8 @@ class OpenAIWire:
     @classmethod
     def response(cls, reply: Reply, model: str) -> dict:
         message = {"role": "assistant", "content": reply.text or None}
+        if reply.reasoning is not None:
+            message["reasoning_content"] = reply.reasoning
         if reply.calls:
             message["tool_calls"] = cls._calls(reply)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
@@ -260,6 +271,8 @@ class OpenAIWire:
         chunk = lambda delta, finish=None, logprobs=None: {**head, "choices": [  # noqa: E731
             {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
         yield sse(chunk({"role": "assistant", "content": ""}))
+        if reply.reasoning is not None:
+            yield sse(chunk({"reasoning_content": reply.reasoning}))
         if reply.text or reply.logprobs:
             yield sse(chunk({"content": reply.text}, logprobs=cls._logprobs(reply)))
         for i, call in enumerate(cls._calls(reply)):
@@ -333,11 +346,14 @@ class AnthropicWire:
                 raise bad_request("each message needs role 'user' or 'assistant'")
             blocks = m["content"] if isinstance(m.get("content"), list) else \
                 [{"type": "text", "text": cls._text(m.get("content"))}]
-            parts, calls = [], []
+            parts, calls, thinking = [], [], []
             for b in blocks:
                 kind = b.get("type") if isinstance(b, dict) else None
                 if kind == "text":
                     parts.append({"type": "text", "text": b.get("text", "")})
+                elif kind == "thinking" and m["role"] == "assistant" and isinstance(
+                        b.get("thinking"), str):  # (its signature is not checked)
+                    thinking.append(b["thinking"])
                 elif kind == "image" and m["role"] == "user":
                     parts.append(cls._image(b, vision))
                 elif kind == "tool_use" and m["role"] == "assistant":
@@ -350,6 +366,7 @@ class AnthropicWire:
             text = "".join(p["text"] for p in parts if p["type"] == "text")
             if m["role"] == "assistant":
                 out.append({"role": "assistant", "content": text,
+                            **({"reasoning_content": "".join(thinking)} if thinking else {}),
                             **({"tool_calls": calls} if calls else {})})
             elif parts:  # text parts and images as a list, text alone as a string
                 out.append({"role": "user", "content": parts if any(
@@ -366,7 +383,9 @@ class AnthropicWire:
 
     @staticmethod
     def _blocks(reply: Reply) -> list[dict]:
-        blocks = [{"type": "text", "text": reply.text}] if reply.text else []
+        blocks = [{"type": "thinking", "thinking": reply.reasoning,
+                   "signature": THINKING_SIGNATURE}] if reply.reasoning is not None else []
+        blocks += [{"type": "text", "text": reply.text}] if reply.text else []
         return blocks + [{"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["name"],
                           "input": c["arguments"]} for c in reply.calls]
 
@@ -392,6 +411,9 @@ class AnthropicWire:
         for i, block in enumerate(msg["content"]):
             if block["type"] == "text":
                 start, delta = {**block, "text": ""}, {"type": "text_delta", "text": block["text"]}
+            elif block["type"] == "thinking":
+                start = {**block, "thinking": ""}
+                delta = {"type": "thinking_delta", "thinking": block["thinking"]}
             else:
                 start = {**block, "input": {}}
                 delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}

@@ -11,6 +11,9 @@ at the token where the update happened. With `partial=False` every request in fl
 aborted at an update (finish_reason "abort"); the caller restarts the episode. Staleness is
 bounded before a request starts, by admission control (see `Stream`), not here.
 
+Each finished generation's text is split into reasoning, reply and tool calls by the
+run's vLLM parsers (instar/rollout/parsers.py); its tokens stay as sampled.
+
 Images (vision-language models): a request carries data URLs, one per image placeholder in
 its prompt, in order. vLLM expands each placeholder to one token per image patch group; the
 result carries the prompt as expanded (`prompt_ids`), which is what the trainer must see. A
@@ -22,7 +25,7 @@ import asyncio
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,7 @@ class Generation:
     """"stop", "length", "abort" (stopped at a weight update: restart the episode) or
     "behind" (the engine holds older weights than the caller's current version)."""
     text: str
+    """The completion as sampled, special tokens included (the final stop token not)."""
     stop: str | None = None
     """The stop string that ended generation, if one did."""
     engine: int = 0
@@ -45,6 +49,16 @@ class Generation:
     prompt_ids: list[int] | None = None
     """Requests with images: the prompt with each image placeholder expanded as the model
     saw it (None for text-only requests, whose prompt is exactly what was sent)."""
+    reasoning: str | None = None
+    """`text`'s reasoning ("thinking"), as --model.reasoning-parser separated it; None: none.
+    Its tokens are in `token_ids`, as sampled."""
+    content: str | None = None
+    """`text` without its reasoning and its parsed tool calls' markup: the reply (None: the
+    text was not parsed; the reply is `text`). See instar/rollout/parsers.py."""
+    tool_calls: list[dict] = field(default_factory=list)
+    """Tool calls in `text` by --model.tool-parser, each `{"name": str, "arguments": dict}`."""
+    tool_call_errors: int = 0
+    """Tool calls `text` began that did not parse (for the parse-failure metric)."""
 
 
 def collapse(ids: list[int], placeholder: int) -> list[int]:
@@ -58,7 +72,11 @@ class Engine:
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, kv_cache_gb: int,
                  threads: int, seed: int, engine_id: int = 0, partial: bool = True,
                  capture_routing: bool = False, tensor_parallel: int = 1,
-                 gpu_memory_utilization: float = 0.9, transport: str = "file", nice: int = 0):
+                 gpu_memory_utilization: float = 0.9, transport: str = "file", nice: int = 0,
+                 tool_parser: str = "", reasoning_parser: str = ""):
+        from instar.rollout.parsers import Parsers, check
+
+        check(tool_parser, reasoning_parser)  # (before the model loads)
         for thread in os.listdir("/proc/self/task") if nice else ():  # (nice is per thread)
             os.setpriority(os.PRIO_PROCESS, int(thread), nice)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
@@ -90,6 +108,7 @@ class Engine:
             gpu_memory_utilization=gpu_memory_utilization,
             weight_transfer_config=None if transport == "file" else {"backend": transport})
         self.llm = AsyncLLM.from_engine_args(args)
+        self.parsers = Parsers(self.llm.tokenizer, tool_parser, reasoning_parser)
         hf = self.llm.model_config.hf_config
         self.placeholders = {getattr(hf, k) for k in ("image_token_id", "video_token_id")
                              if hasattr(hf, k)}
@@ -141,8 +160,8 @@ class Engine:
         self.live[rid] = updates
         self.window["peak"] = max(self.window["peak"], len(self.live))
         try:
-            final = await self._final(prompt_ids, SamplingParams(**sampling, logprobs=0), rid,
-                                      images)
+            final = await self._final(prompt_ids, SamplingParams(
+                **sampling, logprobs=0, skip_special_tokens=False), rid, images)  # (markers kept)
         finally:
             del self.live[rid]
         o = final.outputs[0]
@@ -159,10 +178,12 @@ class Engine:
         stop = o.stop_reason if isinstance(o.stop_reason, str) else None
         routing = getattr(o, "routed_experts", None)
         finish = "placeholder" if self.placeholders.intersection(o.token_ids) else o.finish_reason
+        parsed = self.parsers.parse(o.text)
         return Generation(list(o.token_ids), [s[t].logprob for t, s in zip(o.token_ids, o.logprobs)],
                           versions, finish, o.text, stop, self.engine_id,
                           None if routing is None else routing.tolist(),
-                          list(final.prompt_token_ids) if images else None)
+                          list(final.prompt_token_ids) if images else None, parsed.reasoning,
+                          parsed.content, parsed.tool_calls, parsed.tool_call_errors)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token given those before it (temperature 1; position 0 gets 0)."""

@@ -6,19 +6,22 @@ from pathlib import Path
 from instar.config import Config
 from instar.hub import resolve_model
 from instar.rollout.engine import launch
+from instar.rollout.parsers import check
 from instar.rollout.runner import Rollouts
 
 
 def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | None = None,
                   **options) -> list:
     """`--rollout.num-engines` engines on `model_path` (Ray must be up); `options` go to
-    `Engine` (partial rollout, routing capture, the GPU transport)."""
-    r = cfg.rollout
+    `Engine` (partial rollout, routing capture, the GPU transport). Parser names the run gives
+    are checked first."""
+    r, m = cfg.rollout, cfg.model
+    check(m.tool_parser, m.reasoning_parser)
     return launch(str(model_path), device=cfg.cluster.device, dtype=cfg.model.dtype,
                   max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb, threads=r.threads,
                   seed=cfg.data.seed, count=r.num_engines, placement=placement,
                   tensor_parallel=r.tensor_parallel, gpu_memory_utilization=r.gpu_memory,
-                  **options)
+                  tool_parser=m.tool_parser, reasoning_parser=m.reasoning_parser, **options)
 
 
 def sampling(cfg: Config) -> dict:
