@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import tyro
@@ -121,6 +122,7 @@ def sft(argv: list[str]) -> None:
     cfg, printed = parse("sft", argv)
     if printed:
         return
+    from instar.progress import outputs
     from instar.sft import run_sft, sft_inputs
 
     with checks("sft"):
@@ -129,6 +131,7 @@ def sft(argv: list[str]) -> None:
     if s["eval_loss_before"] is not None:
         print(f"instar sft: held-out assistant-token loss {s['eval_loss_before']:.4f} -> "
               f"{s['eval_loss_after']:.4f}")
+    print(outputs(Path(s["run_dir"])))
 
 
 def eval_(argv: list[str]) -> None:
@@ -167,15 +170,19 @@ def serve(argv: list[str]) -> None:
         return
     from instar.inputs import model_path
     from instar.jobs import serve
+    from instar.rollout.parsers import check as check_parsers
 
     with checks("serve"):
         path = model_path(cfg)
+        check_parsers(cfg.model.tool_parser, cfg.model.reasoning_parser)
     serve(cfg, path)
 
 
 def print_summary(s: dict) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from instar.progress import outputs
 
     table = Table(title="instar rl: summary")
     table.add_column("")
@@ -193,6 +200,7 @@ def print_summary(s: dict) -> None:
     Console().print(table)
     if s["failed_rollouts"]:
         Console().print(f"failed rollouts: {s['failed_rollouts']}")
+    print(outputs(Path(s["run_dir"])))
 
 
 def make_model(argv: list[str]) -> None:

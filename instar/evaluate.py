@@ -2,6 +2,7 @@
 and the mean reward per data source (a task's `source` column) when tasks have one."""
 
 from collections import defaultdict
+from collections.abc import Callable
 from math import comb
 
 from instar.agents.contract import Task
@@ -17,10 +18,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(rollouts: Rollouts, tasks: list[Task], e: EvalConfig, max_tokens: int,
-             tag: str) -> tuple[dict[str, float], Batch]:
-    """Run `e.samples` episodes of each task; a failed episode counts as reward 0."""
+             tag: str, done: Callable[[int], None] = lambda n: None) -> tuple[dict[str, float], Batch]:
+    """Run `e.samples` episodes of each task; a failed episode counts as reward 0. `done(n)`
+    as each task's episodes end."""
     sampling = {"temperature": e.temperature, "max_tokens": e.max_tokens or max_tokens}
-    batch = rollouts.run(tasks, e.samples, sampling, tag)
+    batch = rollouts.run(tasks, e.samples, sampling, tag, done)
     rewards = defaultdict(list)
     for s in one_per_rollout(batch.samples):
         rewards[s.task_id].append(s.reward)

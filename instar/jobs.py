@@ -29,6 +29,7 @@ from instar.config import Config
 from instar.evaluate import evaluate
 from instar.gateway.server import Gateway
 from instar.inputs import Inputs
+from instar.progress import Bar
 from instar.rollout.engine import stop_engines
 from instar.rollout.router import Router
 from instar.rollout.runner import Rollouts
@@ -47,6 +48,11 @@ def run_dir(cfg: Config, job: str) -> Path:
 def save(path: Path, samples: list) -> None:
     path.unlink(missing_ok=True)  # (write_jsonl appends)
     write_jsonl(path, samples)
+
+
+def episodes_bar(cfg: Config, total: int) -> Bar:
+    """Episodes done of `total`: a bar, or a line every tenth of them."""
+    return Bar("episodes", total, live=cfg.logging.progress, every=max(1, total // 10))
 
 
 @contextmanager
@@ -77,8 +83,9 @@ def rollout(cfg: Config, inputs: Inputs) -> dict:
     the built-in task) with the agent (--agent), no training. Failed episodes are counted and
     their tracebacks printed."""
     out = run_dir(cfg, "rollout")
-    with agent_rollouts(cfg, inputs) as rollouts:
-        batch = rollouts.run(inputs.train_tasks, cfg.rollout.group_size, sampling(cfg), "rollout")
+    tasks, k = inputs.train_tasks, cfg.rollout.group_size
+    with agent_rollouts(cfg, inputs) as rollouts, episodes_bar(cfg, k * len(tasks)) as bar:
+        batch = rollouts.run(tasks, k, sampling(cfg), "rollout", bar.advance)
     save(out / "rollouts.jsonl", batch.samples)
     episodes = one_per_rollout(batch.samples)
     n = max(len(episodes), 1)
@@ -98,9 +105,10 @@ def evaluate_model(cfg: Config, inputs: Inputs) -> dict:
     """`instar eval --model.path DIR`: the run's eval (--eval.*, --data.eval, --agent) on a
     checkpoint, without training."""
     out = run_dir(cfg, "eval")
-    with agent_rollouts(cfg, inputs) as rollouts:
+    with agent_rollouts(cfg, inputs) as rollouts, \
+            episodes_bar(cfg, cfg.eval.samples * len(inputs.eval_tasks)) as bar:
         metrics, batch = evaluate(rollouts, inputs.eval_tasks, cfg.eval, cfg.rollout.max_tokens,
-                                  "eval")
+                                  "eval", bar.advance)
     result = {"model": str(inputs.model_path), "tasks": len(inputs.eval_tasks), **metrics,
               "failed": dict(batch.failed)}
     (out / "eval.json").write_text(json.dumps(result, indent=2))

@@ -40,8 +40,6 @@ from typing import IO
 
 import ray
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoConfig
 
 from instar.agents.chat import as_messages, prompt_ids
@@ -54,6 +52,7 @@ from instar.placement import place
 from instar.plots import plot_run
 from instar.preflight import preflight
 from instar.processes import Preempted, deferred_sigterm, scratch_dir
+from instar.progress import Bar, console
 from instar.rollout.engine import stop_engines
 from instar.rollout.runner import Batch, Rollouts
 from instar.rollout.start import make_rollouts, sampling, start_engines
@@ -67,8 +66,6 @@ from instar.train.schedule import lr_at
 from instar.train.sft import warmup
 from instar.train.trainer import Trainer
 from instar.weight_sync import ProbeCheck, on_engines, sync_weights
-
-console = Console()
 
 
 @dataclass
@@ -109,19 +106,17 @@ def run(cfg: Config, inputs: Inputs | None = None) -> dict:
         stream = Stream(r.rollouts, task_order(r.inputs.train_tasks, cfg.data.seed), P,
                         ro.group_size, sampling(cfg), ro.max_staleness, first_ticket=(start - 1) * P)
         stack.callback(release, stream.close)
-        columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=16),
-                   TimeElapsedColumn(), TextColumn("{task.description}")]
-        with Progress(*columns, console=console, disable=not cfg.logging.progress) as bar:
-            task_bar = bar.add_task("", total=cfg.train.steps, completed=start - 1)
+        # a live bar on a terminal; in a log (Slurm), a line every --logging.print-every steps
+        with Bar("step", cfg.train.steps, start - 1, live=cfg.logging.progress,
+                 every=cfg.logging.print_every) as bar:
             for step in range(start, cfg.train.steps + 1):
                 result = train_step(r, stream, step)
                 preempted = stopping()
                 m = after_step(r, result, checkpoint_now=preempted)
-                bar.update(task_bar, advance=1, description=(
-                    f"reward {m['rollout/reward']:.3f} |Δlogp| "
-                    f"{m.get('invariants/abs_logprob_diff', 0):.0e} "
-                    f"{m['perf/gen_tokens_per_s']:.0f} tok/s | wait {m['timing/wait_s']:.1f}s "
-                    f"train {m['timing/train_s']:.1f}s sync {m['timing/sync_s']:.1f}s"))
+                bar.advance(1, f"reward {m['rollout/reward']:.3f} |Δlogp| "
+                            f"{m.get('invariants/abs_logprob_diff', 0):.0e} "
+                            f"{m['perf/gen_tokens_per_s']:.0f} tok/s | wait {m['timing/wait_s']:.1f}s"
+                            f" train {m['timing/train_s']:.1f}s sync {m['timing/sync_s']:.1f}s")
                 if preempted:  # (the groups of later steps are dropped: resumed, they are redone)
                     raise Preempted(f"stopped by SIGTERM after the checkpoint of step {step}; "
                                     "continue with --checkpoint.resume auto")
@@ -335,7 +330,8 @@ def after_step(r: Run, result: StepResult, checkpoint_now: bool = False) -> dict
 
 
 def finish(r: Run) -> dict:
-    """The final eval, the summary (written to summary.json), the exported model, the plots."""
+    """The final eval, the summary (written to summary.json), the exported model, the plots;
+    returns the summary and `run_dir`."""
     c, s, history = r.cfg, r.summary, r.history
     r.check.result()  # the weights the engines hold are the trainer's: those are exported
     s["eval_reward_after"] = evaluate_now(r, c.train.steps, "eval-after").get("eval/reward")
@@ -352,4 +348,4 @@ def finish(r: Run) -> dict:
     if c.logging.plots:
         plot_run(r.dir)
     (r.dir / "summary.json").write_text(json.dumps(s, indent=2))
-    return s
+    return {**s, "run_dir": str(r.dir)}

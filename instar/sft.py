@@ -14,19 +14,17 @@ import json
 import time
 from pathlib import Path
 
-from rich.console import Console
 from transformers import AutoTokenizer
 
 from instar.cluster import ray_for
 from instar.config import Config
 from instar.inputs import model_path
+from instar.progress import Bar
 from instar.train.batch import Sequence
 from instar.train.schedule import lr_at
 from instar.train.sft import sequence, supervised
 from instar.train.sft_data import builtin_sft_data, load_sft_jsonl
 from instar.train.trainer import Trainer
-
-console = Console()
 
 
 def eval_loss(trainer: Trainer, seqs: list[Sequence]) -> float:
@@ -63,7 +61,9 @@ def train(cfg: Config, run_dir: Path, base: Path, tokenizer, rows: list[dict],
     trainer = Trainer(cfg, str(base))
     try:
         summary = {"eval_loss_before": eval_loss(trainer, held_out) if held_out else None}
-        with open(run_dir / "metrics.jsonl", "w") as metrics:
+        bar = Bar("sft step", cfg.train.steps, live=cfg.logging.progress,
+                  every=cfg.logging.print_every)
+        with open(run_dir / "metrics.jsonl", "w") as metrics, bar:
             t0 = time.time()
             for step, stats in supervised(trainer, tokenizer, rows, cfg.train.steps,
                                           cfg.data.prompts_per_step,
@@ -74,12 +74,11 @@ def train(cfg: Config, run_dir: Path, base: Path, tokenizer, rows: list[dict],
                 t0 = time.time()
                 metrics.write(json.dumps(m) + "\n")
                 metrics.flush()
-                if step == 1 or step % 10 == 0 or step == cfg.train.steps:
-                    console.log(f"sft step {step}: loss {m['train/loss']:.4f}")
+                bar.advance(1, f"loss {m['train/loss']:.4f}")
         summary["eval_loss_after"] = eval_loss(trainer, held_out) if held_out else None
         if cfg.checkpoint.save_final:
             trainer.export(base, run_dir / "final")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
         trainer.shutdown()
-    return summary
+    return {**summary, "run_dir": str(run_dir)}

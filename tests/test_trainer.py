@@ -5,6 +5,7 @@ steps. (The algorithm options run end to end in tests/test_rl_cli.py and test_di
 
 import json
 import random
+import re
 import resource
 
 import pytest
@@ -55,9 +56,13 @@ def test_a_step_is_the_same_on_1_or_2_ranks_and_1_or_4_micro_batches(ray_session
 
 
 def test_instar_sft_lowers_the_held_out_loss_and_exports_weights_vllm_loads(
-        tmp_path, engine, tokenizer, tiny_model):
+        tmp_path, engine, tokenizer, tiny_model, capsys):
     run = instar(tmp_path, "sft", "--train.steps", "30", "--eval.size", "16",
                  "--data.prompts-per-step", "16", "--train.lr", "3e-3")
+    out = capsys.readouterr().out  # (no terminal: a line every 10 steps, then where things are)
+    assert re.findall(r"^sft step (\d+)/30 loss \d\.\d{4} \| eta ", out, re.M) == \
+        ["1", "10", "20", "30"]
+    assert f"  model       {run / 'final'}\n  metrics     {run / 'metrics.jsonl'}" in out
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval_loss_after"] < 0.8 * summary["eval_loss_before"]

@@ -16,6 +16,7 @@ import itertools
 import threading
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from instar.agents.contract import ChatAgent, Env, Task
@@ -177,11 +178,18 @@ class Rollouts:
         now on."""
         self.submit(self.versions.advance(policy, version, reload)).result()
 
-    def run(self, tasks: list[Task], n: int, sampling: dict, tag: str) -> Batch:
-        """`n` episodes of each task (blocks until all are done)."""
+    def run(self, tasks: list[Task], n: int, sampling: dict, tag: str,
+            done: Callable[[int], None] = lambda n: None) -> Batch:
+        """`n` episodes of each task (blocks until all are done); `done(n)` as each task's
+        episodes end (on the rollout loop's thread)."""
+        async def group(t: Task) -> Batch:
+            b = await self.group(t, n, sampling, tag)
+            done(n)
+            return b
+
         async def all_groups():
             batch = Batch()
-            for b in await asyncio.gather(*(self.group(t, n, sampling, tag) for t in tasks)):
+            for b in await asyncio.gather(*(group(t) for t in tasks)):
                 batch.add(b)
             return batch
         return self.submit(all_groups()).result()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from instar.config import Config
 from instar.hub import resolve_model
+from instar.progress import status
 from instar.rollout.engine import launch
 from instar.rollout.parsers import check
 from instar.rollout.runner import Rollouts
@@ -17,11 +18,13 @@ def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | N
     are checked first."""
     r, m = cfg.rollout, cfg.model
     check(m.tool_parser, m.reasoning_parser)
-    return launch(str(model_path), device=cfg.cluster.device, dtype=cfg.model.dtype,
-                  max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb, threads=r.threads,
-                  seed=cfg.data.seed, count=r.num_engines, placement=placement,
-                  tensor_parallel=r.tensor_parallel, gpu_memory_utilization=r.gpu_memory,
-                  tool_parser=m.tool_parser, reasoning_parser=m.reasoning_parser, **options)
+    with status(f"starting {r.num_engines} vLLM engine{'s' * (r.num_engines > 1)}"):
+        return launch(str(model_path), device=cfg.cluster.device, dtype=cfg.model.dtype,
+                      max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
+                      threads=r.threads, seed=cfg.data.seed, count=r.num_engines,
+                      placement=placement, tensor_parallel=r.tensor_parallel,
+                      gpu_memory_utilization=r.gpu_memory, tool_parser=m.tool_parser,
+                      reasoning_parser=m.reasoning_parser, **options)
 
 
 def sampling(cfg: Config) -> dict:

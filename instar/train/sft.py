@@ -14,12 +14,10 @@ import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from instar.agents.chat import as_messages
 from instar.agents.contract import Task
 from instar.config import Config
+from instar.progress import Bar
 from instar.tasks.tiny_model import cache_root
 from instar.train.batch import Sequence
 from instar.train.sft_data import assistant_mask
@@ -60,17 +58,17 @@ def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
                                      t.master_dtype, cfg.data.seed]).encode())
     out = cache_root() / "warm" / key.hexdigest()[:16]
     if (out / "model.safetensors").exists():
+        print(f"supervised warm-up: cached in {out}", flush=True)
         return out
     rows = label_rows(tasks)
     trainer = Trainer(cfg, str(base))
     try:
-        with Progress(TextColumn("warm-up (SFT, cached)"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=Console(),
-                      disable=not cfg.logging.progress) as bar:
-            task = bar.add_task("", total=t.warmup_sft_steps)
-            for _ in supervised(trainer, tokenizer, rows, t.warmup_sft_steps, t.warmup_sft_batch,
-                                lambda _: t.warmup_sft_lr, cfg.data.seed):
-                bar.advance(task)
+        with Bar("supervised warm-up step", t.warmup_sft_steps, live=cfg.logging.progress,
+                 every=cfg.logging.print_every) as bar:
+            for _, stats in supervised(trainer, tokenizer, rows, t.warmup_sft_steps,
+                                       t.warmup_sft_batch, lambda _: t.warmup_sft_lr,
+                                       cfg.data.seed):
+                bar.advance(1, f"loss {stats['loss']:.4f}")
         trainer.export(base, out)
     finally:
         trainer.shutdown()
