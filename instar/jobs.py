@@ -8,8 +8,8 @@ Each starts Ray (--cluster.ray-address) and --rollout.num-engines engines on the
 (--model.*), samples with the --rollout.* settings, and writes into its run directory
 (--logging.root/--logging.name; default name: the job and a timestamp):
 
-    rollout   rollouts.jsonl (one Sample per segment), summary.json
-    eval      eval.json (reward, pass@k), eval_samples.jsonl
+    rollout   rollouts.jsonl (one Sample per segment, its decoded text beside), summary.json
+    eval      eval.json (reward, pass@k), eval_samples.jsonl (the same)
     serve     sessions.jsonl, written on Ctrl-C
 """
 
@@ -45,9 +45,9 @@ def run_dir(cfg: Config, job: str) -> Path:
     return out
 
 
-def save(path: Path, samples: list) -> None:
+def save(path: Path, samples: list, tokenizer) -> None:
     path.unlink(missing_ok=True)  # (write_jsonl appends)
-    write_jsonl(path, samples)
+    write_jsonl(path, samples, tokenizer)
 
 
 def episodes_bar(cfg: Config, total: int) -> Bar:
@@ -86,7 +86,7 @@ def rollout(cfg: Config, inputs: Inputs) -> dict:
     tasks, k = inputs.train_tasks, cfg.rollout.group_size
     with agent_rollouts(cfg, inputs) as rollouts, episodes_bar(cfg, k * len(tasks)) as bar:
         batch = rollouts.run(tasks, k, sampling(cfg), "rollout", bar.advance)
-    save(out / "rollouts.jsonl", batch.samples)
+    save(out / "rollouts.jsonl", batch.samples, inputs.tokenizer)
     episodes = one_per_rollout(batch.samples)
     n = max(len(episodes), 1)
     summary = {"episodes": len(episodes), "segments": len(batch.samples),
@@ -112,7 +112,7 @@ def evaluate_model(cfg: Config, inputs: Inputs) -> dict:
     result = {"model": str(inputs.model_path), "tasks": len(inputs.eval_tasks), **metrics,
               "failed": dict(batch.failed)}
     (out / "eval.json").write_text(json.dumps(result, indent=2))
-    save(out / "eval_samples.jsonl", batch.samples)
+    save(out / "eval_samples.jsonl", batch.samples, inputs.tokenizer)
     Console().print_json(json.dumps(result))
     return result
 
@@ -121,10 +121,10 @@ def serve(cfg: Config, path: Path) -> None:
     """`instar serve`: the engines behind the gateway on the model at `path`, --serve.sessions
     sessions sampled with the --rollout.* settings, until Ctrl-C (or SIGTERM); then the
     sessions are written."""
-    out, r = run_dir(cfg, "serve"), cfg.rollout
+    out, r, tokenizer = run_dir(cfg, "serve"), cfg.rollout, AutoTokenizer.from_pretrained(path)
     with engines(cfg, path) as policy:
         gateway = Gateway(Router(policy, Versions(), hang_s=r.hang_s).generate,
-                          AutoTokenizer.from_pretrained(path), model=path.name,
+                          tokenizer, model=path.name,
                           max_model_len=r.max_model_len, max_body_mb=r.max_request_mb).start()
         try:
             sids = [gateway.open_session(f"serve-{i}", "serve", sampling(cfg), 10**6,
@@ -139,7 +139,8 @@ def serve(cfg: Config, path: Path) -> None:
                 signal.signal(sig, lambda *_: stop.set())
             stop.wait()
             save(out / "sessions.jsonl", [s for sid in sids
-                                          for s in gateway.close_session(sid).samples(0.0, {})])
+                                          for s in gateway.close_session(sid).samples(0.0, {})],
+                 tokenizer)
         finally:
             gateway.stop()
     print(f"wrote {out / 'sessions.jsonl'}")

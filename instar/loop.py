@@ -47,7 +47,7 @@ from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate, mean
 from instar.inputs import Inputs, other_model_paths, run_inputs, task_order
-from instar.metrics import MISMATCH, RunLog, StepResult, step_metrics
+from instar.metrics import MISMATCH, RunLog, StepResult, spread, step_metrics
 from instar.placement import place
 from instar.plots import plot_run
 from instar.preflight import preflight
@@ -265,7 +265,8 @@ def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], c
     adv, returns = sample_advantages(samples, a.estimator, scores, penalty, a.gamma, a.lam)
     seqs = [replace(q, advantages=ad, ref_logprobs=rf) for q, ad, rf in zip(seqs, adv, ref)]
     lr = lr_at(step, cfg.train)
-    stats = {**trainer.step(seqs, "pg", lr), "lr": lr}
+    seq_adv = [mean(a for a, m in zip(ad, s.loss_mask) if m) for s, ad in zip(samples, adv)]
+    stats = {**trainer.step(seqs, "pg", lr), "lr": lr, **spread("adv", seq_adv)}
     fresh = stats.pop("mismatch_tokens")
     for k in MISMATCH:  # per lag-0 token; none at all when every token of the step is older
         total = stats.pop(k)
@@ -320,7 +321,9 @@ def after_step(r: Run, result: StepResult, checkpoint_now: bool = False) -> dict
     r.history.append(m)
     r.log.log(m, step)
     if step == 1 or (c.logging.rollouts_every and step % c.logging.rollouts_every == 0):
-        write_jsonl(r.dir / "rollouts.jsonl", result.batch.samples[:c.rollout.group_size])
+        group = result.batch.samples[:c.rollout.group_size]
+        write_jsonl(r.dir / "rollouts.jsonl", group, r.inputs.tokenizer)
+        r.log.text("rollout/sample", group[0], r.inputs.tokenizer, step)
     if checkpoint_now or (c.checkpoint.every and step % c.checkpoint.every == 0):
         r.trainer.save_checkpoint(r.dir / "checkpoints", step, {
             "step": step, "history": r.history, "summary": r.summary}, c.checkpoint.keep)

@@ -5,13 +5,14 @@ written). Non-numeric values (lists of prompt ids) go to the JSONL only."""
 
 import json
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean, pstdev
 
 from instar.evaluate import mean
 from instar.rollout.runner import Batch
-from instar.sample import Sample, one_per_rollout
+from instar.sample import Sample, one_per_rollout, texts
 
 MISMATCH = ("abs_logprob_diff", "k3")
 """Engine-vs-trainer mismatch on the step's lag-0 tokens, logged under invariants/."""
@@ -35,14 +36,31 @@ class StepResult:
     """wait (for rollouts), train, sync."""
 
 
+TRUNCATED = ("length", "max_tokens")
+"""An episode's finish_reason when its last turn ran out of tokens (--rollout.max-tokens, or
+the episode's token budget)."""
+
+
+def spread(name: str, xs: list[float]) -> dict[str, float]:
+    """Mean, standard deviation, min and max of `xs` (not empty), as name_mean, name_std, ..."""
+    return {f"{name}_mean": fmean(xs), f"{name}_std": pstdev(xs), f"{name}_min": min(xs),
+            f"{name}_max": max(xs)}
+
+
 def step_metrics(r: StepResult) -> dict:
     """The step's line of metrics.jsonl."""
     sampled, episodes = r.batch.samples, one_per_rollout(r.batch.samples)
+    groups = defaultdict(set)  # group -> its rewards
+    for s in episodes:
+        groups[s.group_id].add(s.reward)
     lags = Counter(r.step - 1 - v for s in r.trained for v, m in zip(s.versions, s.loss_mask) if m)
     info_keys = {k for s in episodes for k, v in s.info.items()
                  if isinstance(v, int | float) and not isinstance(v, bool)}
     return {
         "step": r.step, "rollout/reward": mean(s.reward for s in episodes),
+        "rollout/reward_std": pstdev(s.reward for s in episodes) if episodes else float("nan"),
+        "rollout/no_spread_groups": mean(len(rewards) == 1 for rewards in groups.values()),
+        "rollout/truncated": mean(s.finish_reason in TRUNCATED for s in episodes),
         **{f"rollout/info/{k}": mean(s.info[k] for s in episodes if k in s.info)
            for k in sorted(info_keys)},
         "rollout/gen_tokens": sum(s.num_generated for s in sampled),
@@ -93,6 +111,13 @@ class RunLog:
             self.tb.flush()
         if self.wandb:
             self.wandb.log(numbers, step=step)
+
+    def text(self, tag: str, s: Sample, tokenizer, step: int) -> None:
+        """One sample's decoded text (TensorBoard's Text tab)."""
+        if self.tb:
+            t = texts(s, tokenizer)
+            self.tb.add_text(tag, f"reward {s.reward:.3f}, {s.finish_reason}\n\n```\n"
+                             f"{t['prompt_text']}\n```\n\n```\n{t['completion_text']}\n```", step)
 
     def close(self) -> None:
         self.file.close()

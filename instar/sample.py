@@ -7,7 +7,8 @@
     versions   None ...  7 ...          None ...     8 ...
 
 `tokens` are exactly the ids the engine produced plus the ids of what came between turns;
-sampled text is never re-tokenised. One JSONL line per sample when dumped.
+sampled text is never re-tokenised. One JSONL line per sample when dumped, its decoded text
+beside the tokens (for people: nothing reads it back).
 """
 
 import json
@@ -89,7 +90,7 @@ class Sample:
 
     @classmethod
     def from_json(cls, line: str) -> "Sample":
-        return cls(**json.loads(line))
+        return cls(**{k: v for k, v in json.loads(line).items() if k not in TEXT})
 
 
 def one_per_rollout(samples: list[Sample]) -> list[Sample]:
@@ -97,9 +98,23 @@ def one_per_rollout(samples: list[Sample]) -> list[Sample]:
     return list({s.rollout_id: s for s in samples}.values())
 
 
-def write_jsonl(path: str | Path, samples: list[Sample]) -> None:
+TEXT = ("prompt_text", "completion_text")
+"""What `write_jsonl` adds beside the tokens, for people to read (`read_jsonl` leaves it)."""
+
+
+def texts(s: Sample, tokenizer) -> dict[str, str]:
+    """The sample's tokens decoded, special tokens kept: the prompt (up to the first generated
+    token), and the rest (the generated turns and the observations between them)."""
+    k = s.loss_mask.index(True)
+    return {"prompt_text": tokenizer.decode(s.tokens[:k]),
+            "completion_text": tokenizer.decode(s.tokens[k:])}
+
+
+def write_jsonl(path: str | Path, samples: list[Sample], tokenizer=None) -> None:
+    """Append one line per sample; with `tokenizer`, its decoded text first (`texts`)."""
     with open(path, "a") as f:
-        f.writelines(s.to_json() + "\n" for s in samples)
+        f.writelines(json.dumps({**(texts(s, tokenizer) if tokenizer else {}), **asdict(s)},
+                                separators=(",", ":")) + "\n" for s in samples)
 
 
 def read_jsonl(path: str | Path) -> list[Sample]:

@@ -7,13 +7,14 @@ process, on the tests' Ray: a ChatAgent with a reference model's KL in the rewar
 `instar eval`."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import yaml
 from conftest import instar, step_lines
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from instar.sample import read_jsonl
 
@@ -27,11 +28,20 @@ def test_instar_rl_end_to_end(tmp_path):
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "4",
          "--rollout.max-staleness", "2", "--eval.size", "4", "--eval.every", "1",
          "--eval.samples", "2", "--logging.rollouts-every", "1", "--logging.root", str(tmp_path),
-         "--logging.name", "run", "--logging.no-progress"],
+         "--logging.name", "run", "--logging.print-every", "2"],
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = tmp_path / "run"
     assert "instar rl: summary" in out.stdout and "eval reward" in out.stdout
+    # stdout is no terminal (a Slurm log): a plain line at the first step, every 2, the last
+    lines = out.stdout.splitlines()
+    assert [int(x.split()[1].split("/")[0]) for x in lines if re.match(
+        r"step \d+/5 reward \d\.\d{3} .* \| eta \d+s$", x)] == [1, 2, 4, 5]
+    assert "starting 1 vLLM engine: done in" in out.stdout
+    assert lines[-6:] == [f"run directory {run}", f"  model       {run / 'final'}",
+                          f"  plots       {run / 'plots'}", f"  metrics     {run / 'metrics.jsonl'}",
+                          f"  rollouts    {run / 'rollouts.jsonl'}",
+                          f"  tensorboard tensorboard --logdir {tmp_path}"]
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 5
     metrics = step_lines(run)
     assert sorted(metrics) == [1, 2, 3, 4, 5]
@@ -48,6 +58,11 @@ def test_instar_rl_end_to_end(tmp_path):
     # bounded staleness: each step's first group, dumped in order, trained by version step - 1
     dumped = read_jsonl(run / "rollouts.jsonl")
     assert len(dumped) == 5 * 2
+    tokenizer = AutoTokenizer.from_pretrained(run / "final")
+    for s, line in zip(dumped, (run / "rollouts.jsonl").read_text().splitlines()):
+        text = json.loads(line)  # beside the tokens, their text: the prompt, then the reply
+        assert text["prompt_text"].startswith("<|im_start|>user\nReverse")
+        assert text["prompt_text"] + text["completion_text"] == tokenizer.decode(s.tokens)
     for i, s in enumerate(dumped):
         lags = {i // 2 - v for v, m in zip(s.versions, s.loss_mask) if m}
         assert 0 <= min(lags) and max(lags) <= 2
@@ -63,6 +78,10 @@ def test_instar_rl_end_to_end(tmp_path):
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("rollout/reward")] == [1, 2, 3, 4, 5]
+    assert [e.step for e in events.Tensors("rollout/sample/text_summary")] == [1, 2, 3, 4, 5]
+    for m in metrics.values():
+        assert 0.0 <= m["rollout/truncated"] <= 1.0 and m["rollout/reward_std"] >= 0.0
+        assert m["train/adv_min"] <= m["train/adv_mean"] <= m["train/adv_max"]
     assert {p.name for p in (run / "plots").iterdir()} == {
         "reward.png", "eval.png", "mismatch.png", "staleness.png", "time.png"}
     summary = json.loads((run / "summary.json").read_text())
@@ -119,7 +138,8 @@ def test_instar_rl_moe_with_gspo_on_policy_syncs_experts_and_can_freeze_routers(
     assert not base[experts].equal(final[experts])  # trained, and synced
 
 
-def test_instar_eval_scores_a_checkpoint_without_training(ray_session, tmp_path, tiny_model):
+def test_instar_eval_scores_a_checkpoint_without_training(ray_session, tmp_path, tiny_model,
+                                                          capsys):
     """The held-out tasks as a `datasets` folder (save_to_disk): six built-in ones."""
     import datasets
 
@@ -137,4 +157,7 @@ def test_instar_eval_scores_a_checkpoint_without_training(ray_session, tmp_path,
     assert 0.0 <= p1 <= p2 <= p4 <= 1.0  # more tries never pass less often
     samples = read_jsonl(run / "eval_samples.jsonl")
     assert len(samples) == 24
+    assert "Reverse" in json.loads((run / "eval_samples.jsonl").open().readline())["prompt_text"]
+    progress = re.findall(r"^episodes (\d+)/24 eta \d+s$", capsys.readouterr().out, re.M)
+    assert progress[-1] == "24" and progress == sorted(progress, key=int)  # as groups end
     assert {s.group_id.rpartition("-")[2] for s in samples} == {r["id"] for r in rows}

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from instar.sample import Sample, read_jsonl, write_jsonl
@@ -39,3 +41,17 @@ def test_from_json_validates():
                                     '"loss_mask":[false,true,true]')
     with pytest.raises(ValueError, match="loss_mask"):
         Sample.from_json(line)
+
+
+def test_jsonl_holds_the_decoded_prompt_and_completion_beside_the_tokens(tmp_path, tokenizer):
+    prompt = tokenizer.encode("<|im_start|>user\nReverse: abc<|im_end|>\n<|im_start|>assistant\n")
+    reply = tokenizer.encode("cba<|im_end|>")
+    s = make(tokens=prompt + reply, loss_mask=[False] * len(prompt) + [True] * len(reply),
+             logprobs=[None] * len(prompt) + [-0.5] * len(reply),
+             versions=[None] * len(prompt) + [0] * len(reply))
+    write_jsonl(tmp_path / "s.jsonl", [s], tokenizer)
+    line = json.loads((tmp_path / "s.jsonl").read_text())
+    assert line["prompt_text"] == "<|im_start|>user\nReverse: abc<|im_end|>\n<|im_start|>assistant\n"
+    assert line["completion_text"] == "cba<|im_end|>"
+    assert line["tokens"] == s.tokens
+    assert read_jsonl(tmp_path / "s.jsonl") == [s]  # (the text is for people: not read back)
