@@ -12,6 +12,7 @@ from instar.agents.loading import load_agent
 from instar.config import Config
 from instar.data import load_task_data
 from instar.hub import resolve_model
+from instar.rollout.parsers import check as check_parsers
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model
 
@@ -51,6 +52,7 @@ def run_inputs(cfg: Config) -> Inputs:
     eval_file = d.eval or builtin_eval
     path = model_path(cfg)
     other_model_paths(cfg)
+    check_parsers(cfg.model.tool_parser, cfg.model.reasoning_parser)
     return Inputs(
         train_tasks=load_task_data(d.train or builtin_train, d.prompt_key, d.label_key),
         eval_tasks=load_task_data(eval_file, d.prompt_key, d.label_key, "--data.eval")[

@@ -69,3 +69,16 @@ def test_bad_inputs_exit_2_in_one_line_and_leave_no_run_directory(tmp_path, monk
         assert not (tmp_path / "runs").exists(), args
     with pytest.raises(ValueError, match="defines no AgentRunner"):  # the traceback
         main(["--debug", "rollout", "--agent", path])
+
+
+@pytest.mark.stack  # (imports vLLM's parsers: some seconds)
+@pytest.mark.parametrize("command", ["rollout", "serve"])
+def test_an_unknown_parser_is_refused_before_anything_starts(command, tmp_path, monkeypatch,
+                                                             capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--model.tool-parser", "nope", "--logging.root", str(tmp_path / "runs")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(  # (after torch's import notes)
+        f"instar {command}: error: --model.tool-parser 'nope' is not a vLLM parser; known: ")
+    assert not (tmp_path / "runs").exists()
