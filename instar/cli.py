@@ -122,7 +122,6 @@ def sft(argv: list[str]) -> None:
     cfg, printed = parse("sft", argv)
     if printed:
         return
-    from instar.progress import outputs
     from instar.sft import run_sft, sft_inputs
 
     with checks("sft"):
@@ -182,8 +181,6 @@ def print_summary(s: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from instar.progress import outputs
-
     table = Table(title="instar rl: summary")
     table.add_column("")
     table.add_column("start", justify="right")
@@ -201,6 +198,16 @@ def print_summary(s: dict) -> None:
     if s["failed_rollouts"]:
         Console().print(f"failed rollouts: {s['failed_rollouts']}")
     print(outputs(Path(s["run_dir"])))
+
+
+def outputs(run_dir: Path) -> str:
+    """Where a finished run's results are, for those it wrote."""
+    names = {"final": "model", "plots": "plots", "metrics.jsonl": "metrics",
+             "rollouts.jsonl": "rollouts"}
+    lines = [f"  {name:<12}{run_dir / f}" for f, name in names.items() if (run_dir / f).exists()]
+    if (run_dir / "tensorboard").exists():
+        lines.append(f"  {'tensorboard':<12}tensorboard --logdir {run_dir.parent}")
+    return "\n".join([f"run directory {run_dir}", *lines])
 
 
 def make_model(argv: list[str]) -> None:

@@ -5,7 +5,6 @@ once, one at the first update, one every `every` units of work and one at the la
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -61,12 +60,3 @@ def status(doing: str) -> Iterator[None]:
         yield
     print(f"{doing}: done in {duration(time.time() - t0)}", flush=True)
 
-
-def outputs(run_dir: Path) -> str:
-    """Where a finished run's results are, for those it wrote."""
-    names = {"final": "model", "plots": "plots", "metrics.jsonl": "metrics",
-             "rollouts.jsonl": "rollouts"}
-    lines = [f"  {name:<12}{run_dir / f}" for f, name in names.items() if (run_dir / f).exists()]
-    if (run_dir / "tensorboard").exists():
-        lines.append(f"  {'tensorboard':<12}tensorboard --logdir {run_dir.parent}")
-    return "\n".join([f"run directory {run_dir}", *lines])
