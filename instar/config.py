@@ -308,8 +308,8 @@ class LoggingConfig:
     plots: bool = True
     """At the end, draw PNG plots of the metrics into the run directory's plots/."""
     print_every: int = 10
-    """When stdout is not a terminal (a Slurm log), print a plain metrics line every this many
-    steps (and at the first and last)."""
+    """When no live bar is shown (stdout not a terminal, e.g. a Slurm log, or --logging.no-
+    progress), print a plain metrics line every this many steps (and at the first and last)."""
 
 
 @dataclass

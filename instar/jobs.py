@@ -28,6 +28,7 @@ from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate
 from instar.gateway.server import Gateway
+from instar.hub import model_name
 from instar.inputs import Inputs
 from instar.progress import Bar
 from instar.rollout.engine import stop_engines
@@ -124,12 +125,12 @@ def serve(cfg: Config, path: Path) -> None:
     out, r, tokenizer = run_dir(cfg, "serve"), cfg.rollout, AutoTokenizer.from_pretrained(path)
     with engines(cfg, path) as policy:
         gateway = Gateway(Router(policy, Versions(), hang_s=r.hang_s).generate,
-                          tokenizer, model=path.name,
+                          tokenizer, model=model_name(path),
                           max_model_len=r.max_model_len, max_body_mb=r.max_request_mb).start()
         try:
             sids = [gateway.open_session(f"serve-{i}", "serve", sampling(cfg), 10**6,
                                          r.max_model_len) for i in range(cfg.serve.sessions)]
-            print(f"api key: {gateway.api_key}\nmodel: {path.name}")
+            print(f"api key: {gateway.api_key}\nmodel: {model_name(path)}")
             for sid in sids:
                 openai_url, anthropic_url = gateway.urls(sid)
                 print(f"session {sid}\n  OpenAI base URL:    {openai_url}\n"

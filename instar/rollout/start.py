@@ -4,7 +4,7 @@ all start the same way."""
 from pathlib import Path
 
 from instar.config import Config
-from instar.hub import resolve_model
+from instar.hub import model_name, resolve_model
 from instar.progress import status
 from instar.rollout.engine import launch
 from instar.rollout.parsers import check
@@ -44,7 +44,7 @@ def make_rollouts(cfg: Config, agent_cls: type, engines: list, tokenizer,
         judge, device=cfg.cluster.device, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
         kv_cache_gb=r.kv_cache_gb, threads=r.threads, seed=cfg.data.seed,
         tensor_parallel=r.tensor_parallel)
-    return Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_path.name,
+    return Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_name(model_path),
                     max_model_len=r.max_model_len, on_failure=r.on_failure,
                     max_retries=r.max_retries, judge=judge, judge_engines=judge_engines,
                     hang_s=r.hang_s, max_request_mb=r.max_request_mb,
