@@ -274,7 +274,38 @@ class AlgoConfig:
     value_clip: float = 0.2
     """gae: clip of the critic's value change per step."""
     dynamic_filter: bool = False
-    """Drop groups whose rewards are all equal (no learning signal) before training."""
+    """Drop groups whose rewards are all equal (no learning signal) and draw more, in the
+    run's task order, until the step holds --data.prompts-per-step informative groups or
+    has drawn --algo.max-resample extra ones (DAPO's dynamic sampling)."""
+    max_resample: int = 16
+    """dynamic_filter: most groups a step draws beyond --data.prompts-per-step to replace
+    dropped ones (0: drop without refilling)."""
+    epochs: int = 1
+    """Passes over each step's batch (PPO epochs)."""
+    mini_batches: int = 1
+    """Optimizer steps per pass: the batch is shuffled and split into this many parts."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus in the policy loss (the entropy is logged whatever this is)."""
+    whiten: Literal["off", "batch", "group"] = "off"
+    """Whiten the advantages (subtract the mean, divide by the std over loss tokens) over the
+    whole batch or within each group."""
+    reward_scale: float = 1.0
+    """Multiply every reward (and per-turn reward) by this before the estimator."""
+    reward_clip: float = 0.0
+    """Clip every scaled reward into [-reward_clip, reward_clip] (0: off)."""
+    kl_target: float = 0.0
+    """Adaptive KL (Ziegler et al. 2019): steer --algo.kl-coef (its start) toward this KL per
+    token (0: a fixed coefficient)."""
+    kl_horizon: int = 10000
+    """Adaptive KL: samples over which the coefficient moves by up to 20% per step's worth."""
+    overlong_buffer: int = 0
+    """Soft overlong penalty (DAPO): a reply within this many tokens of --rollout.max-tokens
+    loses up to --algo.overlong-penalty of reward, linearly (0: off)."""
+    overlong_penalty: float = 1.0
+    """The penalty of a reply that reaches --rollout.max-tokens."""
+    overlong_mask: bool = False
+    """Leave truncated episodes (finish reason length or max_tokens) out of the loss; they
+    still count in their group's baseline."""
 
 
 @dataclass
@@ -432,6 +463,17 @@ class Config:
             raise ValueError("--algo.is-low and --algo.is-high must satisfy 0 <= low <= 1 <= high")
         if not 0 <= a.clip_low < 1 or a.clip_high < 0:
             raise ValueError("--algo.clip-low must be in [0, 1) and --algo.clip-high >= 0")
+        if a.epochs < 1 or not 1 <= a.mini_batches <= self.data.prompts_per_step * r.group_size:
+            raise ValueError("--algo.epochs must be >= 1 and --algo.mini-batches between 1 and "
+                             "the step's samples (--data.prompts-per-step x --rollout.group-size)")
+        if min(a.entropy_coef, a.reward_clip, a.kl_target, a.overlong_penalty, a.max_resample) < 0 \
+                or a.reward_scale <= 0 or a.kl_horizon < 1:
+            raise ValueError("--algo.entropy-coef, --algo.reward-clip, --algo.kl-target, "
+                             "--algo.overlong-penalty and --algo.max-resample must be >= 0, "
+                             "--algo.reward-scale > 0 and --algo.kl-horizon >= 1")
+        if not 0 <= a.overlong_buffer <= r.max_tokens:
+            raise ValueError(f"--algo.overlong-buffer must be in [0, --rollout.max-tokens "
+                             f"({r.max_tokens})]")
         from instar.train.advantages import ESTIMATORS
 
         if a.estimator not in ESTIMATORS:
@@ -485,6 +527,14 @@ class Config:
         if a.estimator != "gae":
             self._unused("algo.gamma", "algo.lam", "algo.critic_lr", "algo.value_clip",
                          unless="--algo.estimator gae (they are the critic's)")
+        if not a.dynamic_filter:
+            self._unused("algo.max_resample", unless="--algo.dynamic-filter")
+        if a.kl_coef == 0 or a.kl_target == 0:
+            self._unused("algo.kl_horizon", unless="--algo.kl-target > 0 (adaptive KL)")
+        if a.kl_coef == 0:
+            self._unused("algo.kl_target", unless="--algo.kl-coef > 0 (its starting value)")
+        if a.overlong_buffer == 0:
+            self._unused("algo.overlong_penalty", unless="--algo.overlong-buffer > 0")
         if a.is_mode == "off":
             self._unused("algo.is_level", "algo.is_low", "algo.is_high",
                          unless="--algo.is-mode mask, clip or truncate")
