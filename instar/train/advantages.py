@@ -8,6 +8,7 @@ counts once in its group's baseline. Add an estimator by decorating a function w
 Return-based estimators (reinforce, reinforce_baseline, rloo, grpo, dr_grpo) use the return
 G_t of `returns_BT`: the rollout's reward on every loss token, or, when per-turn rewards are
 given, the reward-to-go from token t. Their baselines come from the rollout rewards `rewards_B`.
+turn_rloo takes G at each turn's start, less the mean over the group's others at that turn.
 """
 
 from collections.abc import Callable
@@ -151,6 +152,29 @@ def on_policy_distill(x: AdvantageInputs) -> torch.Tensor:
     """A_t = -(log p_student(y_t) - log p_teacher(y_t)): minus the per-token reverse-KL
     estimate on the student's own samples. Needs no reward."""
     return (x.teacher_logprobs_BT - x.logprobs_BT) * x.mask_BT
+
+
+@estimator("turn_rloo")
+def turn_rloo(x: AdvantageInputs) -> torch.Tensor:
+    """Per-turn leave-one-out. Each maximal run of loss tokens is a turn; every token of turn k
+    of rollout i gets A_ik = G_ik - b_ik: G_ik is the return from the turn's first token and
+    b_ik the mean of G_jk over the group's other rollouts j that reached turn k (0 if none).
+
+    b_ik depends only on other, independent rollouts and on "i reached turn k", settled before
+    turn k's action, so the estimator is unbiased and adds no push toward longer or shorter
+    episodes that the reward does not ask for. Rollouts that stopped earlier are left out of
+    turn k's baseline (counting them as 0 is unbiased too, but noisier); i itself is left out
+    (else its own later actions enter its baseline). Derivation: docs/algorithms.md.
+    """
+    mask_BT = x.mask_BT.bool()
+    start_BT = mask_BT & ~torch.nn.functional.pad(mask_BT, (1, -1))
+    turn_BT = start_BT.cumsum(1) * mask_BT  # k = 1, 2, ... on turn k's tokens, 0 off the mask
+    at_BT, r_BT = turn_BT * start_BT, returns_BT(x) * start_BT  # column 0 collects nothing
+    G_BK = r_BT.new_zeros(len(mask_BT), int(turn_BT.max()) + 1).scatter_add_(1, at_BT, r_BT)
+    reached_BK = torch.zeros_like(G_BK).scatter_add_(1, at_BT, start_BT.to(G_BK.dtype))
+    others_BB = (x.group_B[:, None] == x.group_B[None, :]).fill_diagonal_(False).to(G_BK.dtype)
+    b_BK = others_BB @ G_BK / (others_BB @ reached_BK).clamp(min=1)
+    return (G_BK - b_BK).gather(1, turn_BT) * x.mask_BT
 
 
 def dynamic_filter(rewards_B: torch.Tensor, group_B: torch.Tensor) -> torch.Tensor:
