@@ -5,9 +5,12 @@
 
     Stream (rollout thread)                            loop (this thread), step k
     ───────────────────────                            ──────────────────────────
-    ticket t = the t-th group of the run               take(k): wait for tickets (k-1)P..kP-1
-    admitted while t // P - v <= max_staleness         wait for the probe check of sync k-1
-      (v: the version the engines hold, Versions)      learn: advantages, optimizer step
+    ticket t = the t-th group of the run               take(k): the next P tickets in order
+    admitted while t < start[v] + (S + 1) P              (dynamic sampling: the next P with
+      (v: the version the engines hold, Versions;         reward spread, refilled up to
+       start[v]: step v + 1's first ticket)               --algo.max-resample more)
+                                                       wait for the probe check of sync k-1
+                                                       learn: advantages, E x M updates
     episodes: Env loop or ChatAgent via the gateway    sync k: shards -> /dev/shm -> engines
       tokens, behaviour log-probs, versions                (requests in flight pause and
                                                             resume on the new weights: a
@@ -47,7 +50,7 @@ from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate, mean
 from instar.inputs import Inputs, other_model_paths, run_inputs, task_order
-from instar.metrics import MISMATCH, RunLog, StepResult, spread, step_metrics
+from instar.metrics import MISMATCH, TRUNCATED, RunLog, StepResult, spread, step_metrics
 from instar.placement import place
 from instar.plots import plot_run
 from instar.preflight import preflight
@@ -61,7 +64,7 @@ from instar.sample import Sample, write_jsonl
 from instar.train import checkpoint
 from instar.train.advantages import informative, sample_advantages
 from instar.train.batch import Sequence
-from instar.train.losses import kl_BT
+from instar.train.losses import adaptive_kl, kl_BT
 from instar.train.schedule import lr_at
 from instar.train.sft import warmup
 from instar.train.trainer import Trainer
@@ -89,6 +92,10 @@ class Run:
     probe: list[int]
     check: ProbeCheck
     """The engines' probe check of the latest weight sync, not yet waited for."""
+    kl_coef: float
+    """The KL coefficient now (it moves with --algo.kl-target)."""
+    ticket: int = 0
+    """The stream's first ticket of the next step (dynamic sampling draws more than P a step)."""
     history: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     failed: Counter = field(default_factory=Counter)
@@ -103,8 +110,11 @@ def run(cfg: Config, inputs: Inputs | None = None) -> dict:
         start = begin(r)
         stopping = stack.enter_context(deferred_sigterm())  # SIGTERM: stop at the step's end
         P, ro = cfg.data.prompts_per_step, cfg.rollout
+        a = cfg.algo  # dynamic sampling: groups with no reward spread are dropped and refilled
         stream = Stream(r.rollouts, task_order(r.inputs.train_tasks, cfg.data.seed), P,
-                        ro.group_size, sampling(cfg), ro.max_staleness, first_ticket=(start - 1) * P)
+                        ro.group_size, sampling(cfg), ro.max_staleness, r.ticket,
+                        max_resample=a.max_resample if a.dynamic_filter else 0,
+                        keep=lambda g: not a.dynamic_filter or bool(informative(g.samples)))
         stack.callback(release, stream.close)
         # a live bar on a terminal; in a log (Slurm), a line every --logging.print-every steps
         with Bar("step", cfg.train.steps, start - 1, live=cfg.logging.progress,
@@ -176,7 +186,7 @@ def setup(cfg: Config, inputs: Inputs, stack: ExitStack) -> Run:
     probe = prompt_ids(inputs.tokenizer, as_messages(inputs.train_tasks[0].prompt), None)
     check = ProbeCheck(engines, probe, trainer.probe(probe), r.sync_check_tol)
     return Run(cfg, run_dir, inputs, model, trainer, others, engines, rollouts, log, failures,
-               weights, probe, check)
+               weights, probe, check, cfg.algo.kl_coef)
 
 
 def other_models(cfg: Config, model: Path) -> dict[str, Trainer]:
@@ -198,7 +208,11 @@ def begin(r: Run) -> int:
     path = c.checkpoint.resume and checkpoint.latest(r.dir / "checkpoints")
     if path:
         state = r.trainer.load_checkpoint(path)
+        if "critic" in r.others:
+            r.others["critic"].load_checkpoint(path.parent / "critic" / path.name)
         r.history, r.summary = state["history"], state["summary"]
+        r.kl_coef = state.get("kl_coef", c.algo.kl_coef)  # (checkpoints from before they were kept)
+        r.ticket = state.get("ticket", state["step"] * c.data.prompts_per_step)
         sync(r, state["step"])
         console.log(f"resumed from {path}: step {state['step'] + 1} next")
         return state["step"] + 1
@@ -217,22 +231,26 @@ def train_step(r: Run, stream: Stream, step: int) -> StepResult:
     """One step: this step's groups, generated at versions >= step - 1 - max_staleness; the
     update; the weight sync (its probe check left running)."""
     t0 = time.time()
-    batch = Batch()
-    for group in stream.take(step):
+    batch, groups = Batch(), stream.take(step)
+    for group in groups + stream.dropped:
         batch.add(group)
+    r.ticket = stream.first
     samples = collect(r, batch)
     probe_diff = r.check.result()  # the engines hold weights step - 1: before any is trained on
     if not samples:
         raise RuntimeError(f"step {step}: every rollout failed ({dict(batch.failed)}); "
                            f"see {r.failures.name}")
-    trained = informative(samples) if r.cfg.algo.dynamic_filter else samples
+    trained = [s for g in groups for s in g.samples]
     t1 = time.time()
     stats = {}
     sleeps = r.cfg.rollout.placement == "colocated" and r.cfg.cluster.device == "cuda"
     if trained:
         if sleeps:  # colocated engines free the GPU while the trainer trains
             ray.get([e.sleep.remote() for e in r.engines])
-        stats = learn(trained, r.trainer, r.others, r.cfg, step)
+        stats = learn(trained, r.trainer, r.others, r.cfg, step, r.kl_coef)
+        if r.cfg.algo.kl_target and "kl" in stats:
+            a = r.cfg.algo
+            r.kl_coef = adaptive_kl(r.kl_coef, stats["kl"], a.kl_target, a.kl_horizon, len(trained))
         if sleeps:
             ray.get([e.wake_up.remote() for e in r.engines])
     else:
@@ -241,44 +259,64 @@ def train_step(r: Run, stream: Stream, step: int) -> StepResult:
     sync(r, step)
     t3 = time.time()
     return StepResult(step, batch, trained, stats, probe_diff, on_engines(r.engines, "stats"),
-                      {"wait": t1 - t0, "train": t2 - t1, "sync": t3 - t2})
+                      {"wait": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
+                      len(groups) + len(stream.dropped), len(stream.dropped))
 
 
 def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], cfg: Config,
-          step: int) -> dict[str, float]:
-    """One update from a step's samples: the other models score them (reference, teacher,
-    critic), advantages per token, then the policy's optimizer step (and the critic's)."""
-    a, temperature = cfg.algo, cfg.rollout.temperature
-    seqs = [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs],
+          step: int, kl_coef: float | None = None) -> dict:
+    """A step's updates from its samples: the other models score them (reference, teacher,
+    critic), advantages per token, then --algo.epochs passes over them, each shuffled and split
+    into --algo.mini-batches optimizer steps of the policy (and the critic). `kl_coef`: the
+    adaptive KL's current coefficient (default --algo.kl-coef)."""
+    a = replace(cfg.algo, kl_coef=cfg.algo.kl_coef if kl_coef is None else kl_coef)
+    temperature, E, M = cfg.rollout.temperature, a.epochs, a.mini_batches
+    seqs = [Sequence(s.tokens, [m and not (a.overlong_mask and s.finish_reason in TRUNCATED)
+                                for m in s.loss_mask], [lp or 0.0 for lp in s.logprobs],
                      fresh=[float(v == step - 1) for v in s.versions],
                      routed_experts=s.routed_experts, images=s.images) for s in samples]
+    if not any(m for q in seqs for m in q.mask):
+        return {}
     none = [None] * len(seqs)
-    scores = {"logprobs": [q.old_logprobs for q in seqs]}
+    scores = {"logprobs": [q.behaviour_logprobs for q in seqs]}
     if "teacher" in others:
         scores["teacher_logprobs"] = others["teacher"].score(seqs, temperature)
     if "critic" in others:
         scores["values"] = others["critic"].score(seqs, temperature)
     ref = others["reference"].score(seqs, temperature) if "reference" in others else none
-    penalty = [(a.kl_coef * kl_BT(torch.tensor(q.old_logprobs), torch.tensor(r),
-                                  a.kl_estimator)).tolist() for q, r in zip(seqs, ref)] \
-        if "reference" in others and a.kl_in_reward else None
-    adv, returns = sample_advantages(samples, a.estimator, scores, penalty, a.gamma, a.lam)
-    seqs = [replace(q, advantages=ad, ref_logprobs=rf) for q, ad, rf in zip(seqs, adv, ref)]
-    lr = lr_at(step, cfg.train)
+    kl = [kl_BT(torch.tensor(q.behaviour_logprobs), torch.tensor(r), a.kl_estimator).tolist()
+          for q, r in zip(seqs, ref)] if "reference" in others and a.kl_in_reward else None
+    penalty = kl and [[a.kl_coef * k for k in ks] for ks in kl]
+    adv, returns = sample_advantages(samples, a, scores, penalty, cfg.rollout.max_tokens)
+    old = trainer.score(seqs, temperature) if a.is_mode != "off" and E * M > 1 else none
+    seqs = [replace(q, advantages=ad, ref_logprobs=rf, old_logprobs=o, returns=rt, old_values=v)
+            for q, ad, rf, o, rt, v in zip(seqs, adv, ref, old, returns or none,
+                                           scores.get("values", none))]
+    lr, updates = lr_at(step, cfg.train), []
+    shuffle = torch.Generator().manual_seed(cfg.data.seed * 1_000_003 + step)  # (exact resume)
+    for _ in range(E):
+        order = torch.randperm(len(seqs), generator=shuffle).tolist() if M > 1 else range(len(seqs))
+        for part in ([seqs[i] for i in order[k::M]] for k in range(M)):
+            updates.append(trainer.step(part, "pg", lr))
+            if "critic" in others:
+                updates[-1]["critic_loss"] = others["critic"].step(part, "value", a.critic_lr)["loss"]
+    stats = {k: max(vs) if k.endswith("_max") else min(vs) if k.endswith("_min") else mean(vs)
+             for k in updates[0] if (vs := [u[k] for u in updates if k in u])}
+    fresh = updates[0]["mismatch_tokens"]  # measured before the step's first update only
+    for k in [*MISMATCH, "mismatch_tokens"]:  # per lag-0 token; none when all are older
+        stats.pop(k)
+        if fresh and k in MISMATCH:
+            stats[k] = updates[0][k] / fresh
+    if len(updates) > 1:  # how far each update moved from the old policy (JSONL only)
+        stats["updates"] = [{k: u[k] for k in ("loss", "clip_frac", "approx_kl", "grad_norm")}
+                            for u in updates]
     seq_adv = [mean(a for a, m in zip(ad, s.loss_mask) if m) for s, ad in zip(samples, adv)]
-    stats = {**trainer.step(seqs, "pg", lr), "lr": lr, **spread("adv", seq_adv)}
-    fresh = stats.pop("mismatch_tokens")
-    for k in MISMATCH:  # per lag-0 token; none at all when every token of the step is older
-        total = stats.pop(k)
-        if fresh:
-            stats[k] = total / fresh
-    if "critic" in others:
-        stats["critic_loss"] = others["critic"].step(
-            [replace(q, returns=rt, old_values=v) for q, rt, v in zip(seqs, returns, scores["values"])],
-            "value", a.critic_lr)["loss"]
+    stats.update(lr=lr, **spread("adv", seq_adv), **({"kl_coef": a.kl_coef} if a.kl_target else {}))
+    if kl is not None:  # the reference KL of the behaviour policy, per generated token
+        stats["kl"] = mean(k for q, ks in zip(seqs, kl) for k, m in zip(ks, q.mask) if m)
     if "teacher" in others:  # reverse KL to the teacher on the student's own tokens
         diffs = [b - t for q, tl in zip(seqs, scores["teacher_logprobs"])
-                 for b, t, m in zip(q.old_logprobs, tl, q.mask) if m]
+                 for b, t, m in zip(q.behaviour_logprobs, tl, q.mask) if m]
         stats["teacher_kl"] = mean(diffs)
     return stats
 
@@ -325,8 +363,13 @@ def after_step(r: Run, result: StepResult, checkpoint_now: bool = False) -> dict
         write_jsonl(r.dir / "rollouts.jsonl", group, r.inputs.tokenizer)
         r.log.text("rollout/sample", group[0], r.inputs.tokenizer, step)
     if checkpoint_now or (c.checkpoint.every and step % c.checkpoint.every == 0):
+        if "critic" in r.others:  # first, and one more kept: the policy's newest has its critic
+            r.others["critic"].save_checkpoint(r.dir / "checkpoints" / "critic", step, {},
+                                               c.checkpoint.keep + 1)
         r.trainer.save_checkpoint(r.dir / "checkpoints", step, {
-            "step": step, "history": r.history, "summary": r.summary}, c.checkpoint.keep)
+            "step": step, "history": r.history, "summary": r.summary, "kl_coef": r.kl_coef,
+            "ticket": r.ticket},
+            c.checkpoint.keep)
     if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
         evaluate_now(r, step, f"eval-{step}")
     return m

@@ -34,6 +34,10 @@ class StepResult:
     engine_stats: list[dict]
     seconds: dict[str, float]
     """wait (for rollouts), train, sync."""
+    drawn: int = 0
+    """Groups the step drew (more than --data.prompts-per-step when dynamic sampling refills)."""
+    filtered: int = 0
+    """Groups dropped by dynamic sampling (no reward spread)."""
 
 
 TRUNCATED = ("length", "max_tokens")
@@ -68,6 +72,7 @@ def step_metrics(r: StepResult) -> dict:
         **{f"rollout/failed/{k}": v for k, v in r.batch.failed.items()},
         "rollout/restarted": r.batch.restarted, "rollout/retried": r.batch.retried,
         "rollout/dropped_groups": r.batch.dropped_groups,
+        "rollout/drawn_groups": r.drawn, "rollout/filtered_groups": r.filtered,
         "lengths/sampled_mean": mean(s.num_generated for s in sampled),
         "lengths/trained_mean": mean(s.num_generated for s in r.trained),
         **{f"engine/{i}/{k}": v for i, s in enumerate(r.engine_stats) for k, v in s.items()},

@@ -20,7 +20,7 @@ def preflight(samples: list[Sample], trainer: Trainer, engine, temperature: floa
 
     def mismatch(scores):
         return mean(abs(a - b) for q, sc in zip(seqs, scores)
-                    for a, b, m in zip(q.old_logprobs, sc, q.mask) if m)
+                    for a, b, m in zip(q.behaviour_logprobs, sc, q.mask) if m)
     diff = mismatch(trainer.score(seqs, temperature))
     if diff <= tol:
         return diff

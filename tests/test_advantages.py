@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from instar.config import AlgoConfig
 from instar.train.advantages import (
     ESTIMATORS,
     AdvantageInputs,
@@ -8,6 +9,8 @@ from instar.train.advantages import (
     gae,
     gae_returns,
     on_policy_distill,
+    shaped_rewards_BT,
+    whiten,
 )
 
 # Groups 7 (two rollouts), 2 (four) and 9 (alone); ids need not be contiguous.
@@ -36,7 +39,7 @@ def test_return_estimators_hand_computed(name):
 
 def test_the_registry_lists_every_estimator():
     assert set(ESTIMATORS) == {"reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo",
-                               "gae", "on_policy_distill"}
+                               "gae", "on_policy_distill", "turn_rloo"}
 
 
 # Two rollouts of one task: prompt, turn 1 (2 tokens), observation, turn 2 (2 tokens).
@@ -118,12 +121,40 @@ def test_sample_advantages_count_a_rollout_once_and_use_per_turn_rewards():
     # rollout a0 has two segments: one row of the group, not two
     samples = [sample("a0", 1.0), sample("a0", 1.0, 1), sample("a1", 0.0)]
     per_token = {"logprobs": [[lp or 0.0 for lp in s.logprobs] for s in samples]}
-    adv, returns = sample_advantages(samples, "grpo", per_token)
+    adv, returns = sample_advantages(samples, AlgoConfig(estimator="grpo"), per_token)
     # group rewards [1, 0]: mean 0.5, std 0.5 -> +1 on a0's generated tokens, -1 on a1's
     assert [[round(v, 4) for v in a] for a in adv] == [[0, 1, 1], [0, 1, 1], [0, -1, -1]]
     assert returns is None
     # per-turn rewards 0.25 then 0.5 on two generated spans: reward-to-go 0.75, then 0.5
     env = sample("e0", 0.75, mask=(False, True, False, True),
                  info={"turn_rewards": [0.25, 0.5]})
-    adv, _ = sample_advantages([env], "reinforce", {"logprobs": [[0.0, -0.5, 0.0, -0.5]]})
+    adv, _ = sample_advantages([env], AlgoConfig(estimator="reinforce"), {"logprobs": [[0.0, -0.5, 0.0, -0.5]]})
     assert adv == [[0.0, 0.75, 0.0, 0.5]]
+
+
+def test_whitening_over_the_batch_or_within_each_group():
+    adv = torch.tensor([[0.0, 1.0, 3.0], [0.0, 2.0, 0.0], [5.0, 7.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    # batch: tokens 1, 3, 2, 5, 7: mean 3.6, population std sqrt(5.04)
+    out = whiten(adv, mask, torch.zeros(3))
+    std = (sum((v - 3.6) ** 2 for v in (1, 3, 2, 5, 7)) / 5) ** 0.5
+    assert out[0, 1].item() == pytest.approx((1 - 3.6) / (std + 1e-6))
+    assert out[0, 0] == 0 and out[1, 2] == 0
+    # groups {0, 1} (tokens 1, 3, 2: mean 2, std sqrt(2/3)) and {2} (5, 7: mean 6, std 1)
+    out = whiten(adv, mask, torch.tensor([4, 4, 1]))
+    assert out[0, 2].item() == pytest.approx(1 / ((2 / 3) ** 0.5 + 1e-6))
+    assert out[2].tolist() == pytest.approx([-1 / (1 + 1e-6), 1 / (1 + 1e-6), 0.0])
+
+
+def test_reward_shaping_overlong_penalty_then_scale_then_clip():
+    # replies of 6, 9 and 10 tokens (the second row: two replies of 3 and 9) against a
+    # limit of 10 with a buffer of 4: 6 is clear; 9 is 3/4 of the way in; 10 pays it all
+    mask = torch.tensor([[1.0] * 6 + [0.0] * 7, [1.0] * 3 + [0.0] + [1.0] * 9, [1.0] * 10 + [0.0] * 3])
+    x = AdvantageInputs(torch.tensor([1.0, 1.0, 0.5]), torch.zeros(3), mask)
+    a = AlgoConfig(overlong_buffer=4, overlong_penalty=0.5, reward_scale=2.0, reward_clip=1.5)
+    r = shaped_rewards_BT(x, a, max_tokens=10)
+    # (1 - 0) * 2 = 2 -> 1.5; (1 - 0.5 * 3/4) * 2 = 1.25; (0.5 - 0.5) * 2 = 0
+    assert r.sum(1).tolist() == pytest.approx([1.5, 1.25, 0.0])
+    assert r[0, 5] == 1.5 and r[1, 12] == 1.25 and (r[:, :5] == 0).all()
+    assert torch.equal(shaped_rewards_BT(x, AlgoConfig(), 10), x.rewards_B[:, None] * (
+        torch.arange(13) == torch.tensor([[5], [12], [9]])))  # off: the plain rewards

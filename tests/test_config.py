@@ -32,6 +32,14 @@ def changed(**settings) -> Config:
     (dict(algo__clip_low=1.5), "--algo.clip-low"),
     (dict(rollout__max_staleness=-1), "--rollout.max-staleness"),
     (dict(algo__dual_clip=0.5), "--algo.dual-clip"),
+    (dict(algo__epochs=0), "--algo.epochs"),
+    (dict(algo__mini_batches=10**6), "--algo.mini-batches"),
+    (dict(algo__reward_scale=0.0), "--algo.reward-scale"),
+    (dict(algo__kl_coef=0.1, algo__kl_horizon=0), "--algo.kl-horizon"),
+    (dict(algo__overlong_buffer=25), "--algo.overlong-buffer"),
+    (dict(algo__max_resample=4), "--algo.max-resample 4 has no effect unless --algo.dynamic-filter"),
+    (dict(algo__kl_target=0.01), "--algo.kl-target 0.01 has no effect unless --algo.kl-coef"),
+    (dict(algo__overlong_penalty=0.5), "--algo.overlong-penalty 0.5 has no effect"),
     (dict(algo__estimator="on_policy_distill"), "--algo.teacher"),
     (dict(algo__estimator="grpo2"), "--algo.estimator 'grpo2' is unknown; known: reinforce, "),
     (dict(serve__sessions=0), "--serve.sessions"),
@@ -104,6 +112,12 @@ def test_validate_names_the_flag(settings, flag):
 
 @pytest.mark.parametrize("settings", [
     dict(algo__dual_clip=3.0),
+    dict(algo__epochs=2, algo__mini_batches=4, algo__entropy_coef=0.01, algo__whiten="group"),
+    dict(algo__reward_scale=0.5, algo__reward_clip=1.0, algo__overlong_buffer=8,
+         algo__overlong_penalty=0.5, algo__overlong_mask=True),
+    dict(algo__kl_coef=0.1, algo__kl_target=0.01, algo__kl_horizon=1000),
+    dict(algo__dynamic_filter=True, algo__max_resample=0),
+    dict(algo__estimator="turn_rloo"),
     dict(algo__kl_coef=0.1, algo__kl_in_reward=True, algo__kl_estimator="k2", algo__reference="r"),
     dict(algo__estimator="gae", algo__gamma=0.99, algo__lam=0.95, algo__critic_lr=1e-4),
     dict(algo__is_mode="mask", algo__is_level="geometric", algo__is_high=3.0),
@@ -171,7 +185,9 @@ FLAGS = {  # every flag of each section, as --help shows it
              "master-dtype routing-replay warmup-sft-steps warmup-sft-lr warmup-sft-batch",
     "algo": "estimator policy-loss aggregation clip-low clip-high dual-clip is-mode is-level "
             "is-low is-high kl-coef kl-estimator kl-in-reward reference teacher gamma lam "
-            "critic-lr value-clip dynamic-filter",
+            "critic-lr value-clip dynamic-filter max-resample epochs mini-batches entropy-coef "
+            "whiten reward-scale reward-clip kl-target kl-horizon overlong-buffer "
+            "overlong-penalty overlong-mask",
     "checkpoint": "save-final every keep resume",
     "logging": "root name progress tensorboard wandb-project rollouts-every plots print-every",
     "cluster": "device ray-address engine-resource trainer-resource",

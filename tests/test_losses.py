@@ -6,7 +6,9 @@ import torch
 from instar.config import AlgoConfig
 from instar.train.batch import Sequence, shard
 from instar.train.losses import (
+    adaptive_kl,
     cispo_loss,
+    combine,
     gspo_loss,
     importance_weights,
     kl_BT,
@@ -22,8 +24,9 @@ from instar.train.losses import (
 
 
 def pg(logp, old, adv_B, mask, **algo):
-    b = {"mask": mask, "old_logprobs": old, "advantages": adv_B[:, None] * mask}
-    return policy_loss(logp, b, AlgoConfig(**algo), num_tokens=6, num_seqs=1)
+    b = {"mask": mask, "behaviour_logprobs": old, "advantages": adv_B[:, None] * mask}
+    return policy_loss(logp, torch.zeros_like(logp), b, AlgoConfig(**algo), num_tokens=6,
+                       num_seqs=1)
 
 
 def test_policy_loss_ppo_matches_the_formula():
@@ -53,10 +56,10 @@ def test_policy_loss_negative_advantage_clips_from_below():
 def test_policy_loss_off_policy_correction_and_kl_term():
     mask = torch.tensor([[1.0, 1.0]])
     logp = torch.tensor([[-1.0, -1.0]])
-    b = {"mask": mask, "old_logprobs": torch.tensor([[-1.0, -3.0]]),  # weights e^0=1, e^2=7.39
+    b = {"mask": mask, "behaviour_logprobs": torch.tensor([[-1.0, -3.0]]),  # weights e^0=1, e^2=7.39
          "ref_logprobs": torch.tensor([[-1.5, -1.0]]), "advantages": torch.tensor([[1.0, 1.0]])}
     algo = AlgoConfig(is_mode="truncate", is_high=2.0, kl_coef=0.1, kl_estimator="k1")
-    loss, stats = policy_loss(logp, b, algo, num_tokens=2, num_seqs=1)
+    loss, stats = policy_loss(logp, torch.zeros_like(logp), b, algo, num_tokens=2, num_seqs=1)
     # trainer-old is this forward's logp (one update per batch): ratios 1, PPO losses -A = -1;
     # IS weights trainer-old / behaviour: exp(0) = 1 and exp(2) truncated to 2;
     # k1 = logp - ref = 0.5, 0 -> (-1 * 1 + 0.1 * 0.5 - 1 * 2 + 0) / 2
@@ -218,3 +221,58 @@ def test_value_loss_is_clipped_around_the_old_values():
     assert loss.tolist() == [[1.125, 4.5, 2.0]]
     loss.sum().backward()
     assert values.grad.tolist() == [[0.0, 3.0, 2.0]]
+
+
+def test_entropy_is_over_the_whole_vocabulary_and_its_bonus_lowers_the_loss():
+    logits, ids = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    logp, ent = token_logprobs(logits, ids, temperature=0.7, entropy=True)
+    p = torch.softmax(logits / 0.7, -1)
+    assert torch.allclose(ent[:, 1:], -(p * p.log()).sum(-1)[:, :-1], atol=1e-6)
+    assert ent[0, 0] == 0 and torch.equal(logp, token_logprobs(logits, ids, 0.7))
+    mask, adv = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0, 1.0]]), torch.ones(2, 5)
+    b = {"mask": mask, "behaviour_logprobs": logp.detach(), "advantages": adv}
+    plain, stats = policy_loss(logp, ent, b, AlgoConfig(), num_tokens=6, num_seqs=2)
+    bonus, _ = policy_loss(logp, ent, b, AlgoConfig(entropy_coef=0.1), num_tokens=6, num_seqs=2)
+    mean_ent = (ent * mask).sum().item() / 6
+    assert math.isclose(stats["entropy"], mean_ent, rel_tol=1e-6)
+    assert math.isclose(bonus.item(), plain.item() - 0.1 * mean_ent, rel_tol=1e-6)
+
+
+def test_several_updates_clip_against_the_old_policy_and_weight_old_over_behaviour():
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    b = {"mask": mask, "behaviour_logprobs": torch.tensor([[-1.0, -1.5, -0.5]]),
+         "old_logprobs": torch.tensor([[-1.0, -1.5, -1.6]]), "advantages": torch.ones(1, 3)}
+    a = AlgoConfig(is_mode="clip", is_low=0.7, is_high=1.5, clip_low=0.2, clip_high=0.2)
+    loss, stats = policy_loss(logp, torch.zeros(1, 3), b, a, num_tokens=3, num_seqs=1)
+    r = [1.0, math.exp(0.5), math.exp(0.6)]  # now / old: the last two clipped at 1.2
+    w = [1.0, 1.0, min(max(math.exp(-1.1), 0.7), 1.5)]  # old / behaviour, clipped into the band
+    assert math.isclose(loss.item(), -(1.0 * w[0] + 1.2 * w[1] + 1.2 * w[2]) / 3, rel_tol=1e-6)
+    assert math.isclose(stats["clip_frac"], 2 / 3)
+    assert math.isclose(stats["approx_kl"], sum(x - 1 - math.log(x) for x in r) / 3, rel_tol=1e-6)
+    assert (stats["ratio_max"], stats["ratio_min"]) == pytest.approx((math.exp(0.6), 1.0))
+    assert math.isclose(stats["is_filtered"], 1 / 3)
+    # the first of several updates (old = the weights now) is the single update of a step:
+    # the same loss and gradient as when the old policy is this forward's own
+    first = {**b, "old_logprobs": logp.detach().clone()}
+    single = {k: v for k, v in b.items() if k != "old_logprobs"}
+    grads = []
+    for batch in (first, single):
+        logp.grad = None
+        loss, stats = policy_loss(logp, torch.zeros(1, 3), batch, a, num_tokens=3, num_seqs=1)
+        loss.backward()
+        grads.append((loss.item(), logp.grad.clone(), stats))
+    assert grads[0][0] == grads[1][0] and torch.equal(grads[0][1], grads[1][1])
+    assert grads[0][2] == grads[1][2] and grads[0][2]["approx_kl"] == 0.0
+
+
+def test_stats_combine_by_summing_shares_and_keeping_extremes():
+    totals = combine({}, {"loss": 0.5, "ratio_max": 1.1, "ratio_min": 0.9, "mismatch_tokens": 3})
+    combine(totals, {"loss": 0.25, "ratio_max": 1.3, "ratio_min": 0.95, "mismatch_tokens": 2})
+    assert totals == {"loss": 0.75, "ratio_max": 1.3, "ratio_min": 0.9, "mismatch_tokens": 5}
+
+
+def test_adaptive_kl_moves_toward_the_target_by_at_most_a_fifth_per_horizon():
+    assert math.isclose(adaptive_kl(0.1, 0.02, 0.01, 100, 50), 0.1 * (1 + 0.2 * 0.5))  # capped
+    assert math.isclose(adaptive_kl(0.1, 0.009, 0.01, 100, 100), 0.1 * (1 - 0.1))
+    assert adaptive_kl(0.1, 0.01, 0.01, 100, 100) == 0.1

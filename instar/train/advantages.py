@@ -58,13 +58,46 @@ def estimator(name: str) -> Callable[[Estimator], Estimator]:
     return register
 
 
+def last_BT(mask_BT: torch.Tensor) -> torch.Tensor:
+    """True on each row's last loss token."""
+    mask_BT = mask_BT.bool()
+    return mask_BT & (mask_BT.flip(1).cumsum(1).flip(1) == 1)
+
+
 def rewards_BT(x: AdvantageInputs) -> torch.Tensor:
     """The per-turn rewards if given, else the rollout's reward on its last loss token."""
     if x.token_rewards_BT is not None:
         return x.token_rewards_BT
-    mask_BT = x.mask_BT.bool()
-    last_BT = mask_BT & (mask_BT.flip(1).cumsum(1).flip(1) == 1)
-    return x.rewards_B[:, None] * last_BT
+    return x.rewards_B[:, None] * last_BT(x.mask_BT)
+
+
+def shaped_rewards_BT(x: AdvantageInputs, a, max_tokens: int) -> torch.Tensor:
+    """`rewards_BT` after the reward knobs of `a` (an AlgoConfig), in this order:
+
+      1. DAPO's soft overlong penalty, on the row's last loss token: with L the row's longest
+         reply (run of loss tokens) and b = `overlong_buffer`, minus `overlong_penalty` times
+         clamp((L - (max_tokens - b)) / b, 0, 1);
+      2. times `reward_scale`;
+      3. each (per-turn) reward clipped into [-reward_clip, reward_clip], if `reward_clip`.
+    """
+    m_BT, r_BT = x.mask_BT, rewards_BT(x)
+    if a.overlong_buffer:
+        c_BT = m_BT.cumsum(1)
+        reply_BT = c_BT - torch.cummax(c_BT * (1 - m_BT), 1).values  # the reply's tokens so far
+        over_B = ((reply_BT.amax(1) - max_tokens + a.overlong_buffer) / a.overlong_buffer).clamp(0, 1)
+        r_BT = r_BT - a.overlong_penalty * over_B[:, None] * last_BT(m_BT)
+    r_BT = r_BT * a.reward_scale
+    return r_BT.clamp(-a.reward_clip, a.reward_clip) if a.reward_clip else r_BT
+
+
+def whiten(adv_BT: torch.Tensor, mask_BT: torch.Tensor, key_B: torch.Tensor) -> torch.Tensor:
+    """(A - mean) / (std + EPS) over the loss tokens of the rows that share a key (the group,
+    or one key for the whole batch)."""
+    same_BB = (key_B[:, None] == key_B[None, :]).to(adv_BT.dtype)
+    n_B = same_BB @ mask_BT.sum(1)
+    mean_B = same_BB @ (adv_BT * mask_BT).sum(1) / n_B
+    var_B = same_BB @ ((adv_BT - mean_B[:, None]) ** 2 * mask_BT).sum(1) / n_B
+    return (adv_BT - mean_B[:, None]) / (var_B.sqrt()[:, None] + EPS) * mask_BT
 
 
 def returns_BT(x: AdvantageInputs) -> torch.Tensor:
@@ -199,15 +232,18 @@ def turn_rewards(s) -> list[float]:
     return out
 
 
-def sample_advantages(samples: list, estimator_name: str, per_token: dict[str, list[list[float]]],
-                      kl_penalty: list[list[float]] | None = None, gamma: float = 1.0,
-                      lam: float = 1.0) -> tuple[list[list[float]], list[list[float]] | None]:
-    """Per-token advantages of each Sample, and the critic's value targets for gae (else None).
+def sample_advantages(samples: list, a, per_token: dict[str, list[list[float]]],
+                      kl_penalty: list[list[float]] | None = None, max_tokens: int = 0
+                      ) -> tuple[list[list[float]], list[list[float]] | None]:
+    """Per-token advantages of each Sample by `a.estimator` (`a`: an AlgoConfig), and the
+    critic's value targets for gae (else None).
 
     A rollout is one row (its segments concatenated), so it counts once in its group.
     `per_token` holds, per Sample, "logprobs" (behaviour) and where needed "values" (critic)
-    and "teacher_logprobs". `kl_penalty` (per Sample, per token, already scaled) is taken
-    out of the rewards: from the per-token rewards and from the rollout's total.
+    and "teacher_logprobs". The rewards are shaped first (`shaped_rewards_BT`; the rollout's
+    total becomes the sum of its shaped rewards); `kl_penalty` (per Sample, per token,
+    already scaled) is then taken out of them: from the per-token rewards and from the
+    rollout's total. The advantages are whitened last, if `a.whiten` asks.
     """
     rows: dict[str, list[int]] = {}
     for i, s in enumerate(samples):
@@ -225,6 +261,10 @@ def sample_advantages(samples: list, estimator_name: str, per_token: dict[str, l
     token_rewards_BT = stack(turns) if all(turns) else None
     rewards_B = torch.tensor([s.reward for s in firsts])
     group_B = torch.tensor([groups[s.group_id] for s in firsts])
+    if a.overlong_buffer or a.reward_scale != 1 or a.reward_clip:
+        token_rewards_BT = shaped_rewards_BT(AdvantageInputs(rewards_B, group_B, mask_BT,
+                                                             token_rewards_BT), a, max_tokens)
+        rewards_B = token_rewards_BT.sum(1)
     if kl_penalty is not None:
         kl_BT = stack(kl_penalty) * mask_BT
         token_rewards_BT = rewards_BT(AdvantageInputs(rewards_B, group_B, mask_BT,
@@ -234,9 +274,11 @@ def sample_advantages(samples: list, estimator_name: str, per_token: dict[str, l
                         if "values" in per_token else None,
                         logprobs_BT=stack(per_token["logprobs"]),
                         teacher_logprobs_BT=stack(per_token["teacher_logprobs"])
-                        if "teacher_logprobs" in per_token else None, gamma=gamma, lam=lam)
-    adv_BT = ESTIMATORS[estimator_name](x)
-    returns_BT = gae_returns(x) if estimator_name == "gae" else None
+                        if "teacher_logprobs" in per_token else None, gamma=a.gamma, lam=a.lam)
+    adv_BT = ESTIMATORS[a.estimator](x)
+    if a.whiten != "off":
+        adv_BT = whiten(adv_BT, mask_BT, group_B if a.whiten == "group" else 0 * group_B)
+    returns_BT = gae_returns(x) if a.estimator == "gae" else None
 
     def unstack(x_BT: torch.Tensor) -> list[list[float]]:
         out: list = [None] * len(samples)

@@ -11,15 +11,16 @@ import torch
 import torch.nn.functional as F
 
 
-def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
-    """Log-prob of each token given the ones before it; position 0 gets 0.
+def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float,
+                   entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each token given the ones before it; position 0 gets 0. With `entropy`,
+    also the entropy of each next-token distribution over the whole vocabulary.
 
     The engine reports log-probs after temperature, so the trainer divides by it too.
     """
     logp = F.log_softmax(logits_BTV[:, :-1].float() / temperature, dim=-1)
-    picked_BT = logp.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
-    return F.pad(picked_BT, (1, 0))
+    picked_BT = F.pad(logp.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1), (1, 0))
+    return (picked_BT, F.pad(-(logp.exp() * logp).sum(-1), (1, 0))) if entropy else picked_BT
 
 
 def token_mean(loss_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -161,38 +162,62 @@ def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT:
     return torch.maximum((values_BT - returns_BT) ** 2, (clipped_BT - returns_BT) ** 2) / 2
 
 
-def policy_loss(logprobs_BT: torch.Tensor, b: dict[str, torch.Tensor], a, num_tokens: int,
-                num_seqs: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """The RL loss `a` (an AlgoConfig) describes, on one micro-batch `b` (see
-    TrainWorker._batch), as this micro-batch's share of the step's scalar:
+def policy_loss(logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, b: dict[str, torch.Tensor],
+                a, num_tokens: int, num_seqs: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """The RL loss `a` (an AlgoConfig) describes, on one micro-batch `b` (see Rank._batch), as
+    this micro-batch's share of the update's scalar:
 
-      1. the policy loss per token against the old log-probs: the engine's (behaviour), or
-         the trainer's own before the update when off-policy correction is on. One update
-         per batch: the weights before it are the ones this forward ran with, so those are
-         `logprobs_BT`, detached (no second forward);
-      2. off-policy correction: times importance weights trainer-old / behaviour;
-      3. KL to a reference model as a loss term, if asked for;
-      4. aggregated over tokens or sequences of the whole step.
+      1. the policy loss per token, its ratio against the old log-probs: the engine's
+         (behaviour) when off-policy correction is off; with it on, the trainer's own before
+         the step's first update: scored before it when a step makes several updates
+         (`b["old_logprobs"]`), else this forward's, detached (the weights before the update);
+      2. off-policy correction (decoupled PPO): times importance weights old / behaviour;
+      3. an entropy bonus, and the KL to a reference model as a loss term, if asked for;
+      4. aggregated over tokens or sequences of the whole update.
 
-    Stats are this micro-batch's shares of step means (they sum over micro-batches and ranks).
+    Stats are this micro-batch's shares of update means (they sum over micro-batches and
+    ranks), but `ratio_max`/`ratio_min`, extremes over the loss tokens (see `combine`).
     """
-    mask_BT, behaviour_BT = b["mask"], b["old_logprobs"]
+    mask_BT, behaviour_BT, m = b["mask"], b["behaviour_logprobs"], b["mask"].bool()
     corrected = a.is_mode != "off"
-    old_BT = logprobs_BT.detach() if corrected else behaviour_BT
+    old_BT = b.get("old_logprobs", logprobs_BT.detach()) if corrected else behaviour_BT
     extra = {"dual_clip": a.dual_clip} if a.policy_loss == "ppo" else {}
     loss_BT, clipped_BT = POLICY_LOSSES[a.policy_loss](logprobs_BT, old_BT, b["advantages"],
                                                        mask_BT, a.clip_low, a.clip_high, **extra)
     # on lag-0 tokens only: with older tokens the policy itself has moved since
     stats = mismatch_metrics(logprobs_BT.detach(), behaviour_BT,
                              mask_BT * b["fresh"] if "fresh" in b else mask_BT)
-    stats["clip_frac"] = (clipped_BT & mask_BT.bool()).sum().item() / num_tokens
+    stats["clip_frac"] = (clipped_BT & m).sum().item() / num_tokens
+    log_r = (logprobs_BT.detach() - old_BT)[m]  # KL(old || now) ~ k3 = r - 1 - log r
+    stats["approx_kl"] = (log_r.exp() - 1 - log_r).sum().item() / num_tokens
+    if log_r.numel():
+        stats["ratio_max"], stats["ratio_min"] = log_r.max().exp().item(), log_r.min().exp().item()
+    stats["entropy"] = token_mean(entropy_BT.detach(), mask_BT, num_tokens).item()
     if corrected:
         w_BT, stats["is_filtered"] = importance_weights(old_BT, behaviour_BT, mask_BT, a.is_level,
                                                         a.is_mode, a.is_low, a.is_high, num_tokens)
         loss_BT = loss_BT * w_BT
+    if a.entropy_coef:
+        loss_BT = loss_BT - a.entropy_coef * entropy_BT
     if a.kl_coef > 0 and not a.kl_in_reward:
         kl_term_BT = kl_BT(logprobs_BT, b["ref_logprobs"], a.kl_estimator)
         stats["kl"] = token_mean(kl_term_BT.detach(), mask_BT, num_tokens).item()
         loss_BT = loss_BT + a.kl_coef * kl_term_BT
     count = num_tokens if a.aggregation == "token" else num_seqs
     return AGGREGATIONS[a.aggregation](loss_BT, mask_BT, count), stats
+
+
+def combine(totals: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
+    """Add one micro-batch's (or rank's) stats into `totals`: shares are summed, `*_max` and
+    `*_min` keep the extreme."""
+    pick = {"_max": max, "_min": min}
+    for k, v in stats.items():
+        totals[k] = v if k not in totals else pick.get(k[-4:], lambda x, y: x + y)(totals[k], v)
+    return totals
+
+
+def adaptive_kl(coef: float, kl: float, target: float, horizon: int, samples: int) -> float:
+    """Ziegler et al. (2019)'s controller: the KL coefficient after a step that measured `kl`
+    per token on `samples` samples, moved toward `target` by at most 20% per `horizon`
+    samples: coef * (1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon)."""
+    return coef * (1 + min(max(kl / target - 1, -0.2), 0.2) * samples / horizon)

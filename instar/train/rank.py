@@ -47,7 +47,14 @@ from instar.agents.images import decode
 from instar.config import AlgoConfig
 from instar.train import checkpoint
 from instar.train.batch import EMPTY, PER_TOKEN, Sequence
-from instar.train.losses import policy_loss, sft_loss, token_logprobs, token_mean, value_loss
+from instar.train.losses import (
+    combine,
+    policy_loss,
+    sft_loss,
+    token_logprobs,
+    token_mean,
+    value_loss,
+)
 from instar.train.routing import RoutingReplay
 
 
@@ -165,8 +172,9 @@ class Rank:
                                          pad=seqs[0].routed_experts[0])  # padding: any row
         return b
 
-    def _forward(self, b: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-        """Log-probs of the tokens (policy) or values (critic), [B, T], in float32."""
+    def _forward(self, b: dict[str, torch.Tensor], temperature: float, entropy: bool = False):
+        """Log-probs of the tokens (policy) or values (critic), [B, T], in float32; with
+        `entropy`, (log-probs, entropies)."""
         if self.replay:  # kept until the next forward: recomputed layers replay it too
             self.replay.use(b.get("routed_experts"))
         images = {} if "pixel_values" not in b else dict(
@@ -174,7 +182,7 @@ class Rank:
             mm_token_type_ids=(b["tokens"] == self.image_token).long())  # (for M-RoPE)
         logits = self.model(input_ids=b["tokens"], attention_mask=b["attn"], **images).logits
         return logits[..., 0].float() if self.head == "value" else token_logprobs(
-            logits, b["tokens"], temperature)
+            logits, b["tokens"], temperature, entropy)
 
     def train_step(self, micro_batches: list[list[Sequence]], loss: str, algo: AlgoConfig,
                    num_tokens: int, num_seqs: int, temperature: float, lr: float,
@@ -185,15 +193,15 @@ class Rank:
         self.model.train()
         for group in self.opt.param_groups:
             group["lr"] = lr
-        totals: dict[str, float] = {"loss": 0.0}
+        totals: dict[str, float] = {}
         for i, seqs in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             self.model.set_requires_gradient_sync(last or not self.gather_once)
             self.model.set_reshard_after_backward(last or not self.gather_once)
             b = self._batch(seqs)
-            out_BT = self._forward(b, temperature)
+            out_BT = self._forward(b, temperature, entropy=loss == "pg")
             if loss == "pg":
-                value, stats = policy_loss(out_BT, b, algo, num_tokens, num_seqs)
+                value, stats = policy_loss(*out_BT, b, algo, num_tokens, num_seqs)
             elif loss == "sft":
                 value, stats = sft_loss(out_BT, b["mask"], num_tokens)
             elif loss == "value":
@@ -202,9 +210,7 @@ class Rank:
             else:
                 raise ValueError(f"unknown loss {loss!r}: pg, sft or value")
             (value * self.world).backward()  # FSDP2 averages gradients over ranks
-            totals["loss"] += value.item()
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v
+            combine(totals, {"loss": value.item(), **stats})
         norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                               grad_clip if grad_clip > 0 else float("inf"))
         totals["grad_norm"] = norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item()

@@ -24,6 +24,7 @@ from instar.cluster import init_process_group, rendezvous
 from instar.config import Config
 from instar.train import checkpoint
 from instar.train.batch import Sequence, shard
+from instar.train.losses import combine
 from instar.train.rank import Rank
 
 RANK_ENV = {"env_vars": {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}}
@@ -91,7 +92,9 @@ class Trainer:
         per_rank = ray.get(self._submit("train_step", loss, c.algo, num_tokens, num_seqs,
                                         c.rollout.temperature, lr, c.train.grad_clip,
                                         parts=self._shards(seqs)[1]))
-        out = {k: sum(r.get(k, 0.0) for r in per_rank) for k in per_rank[0]}
+        out: dict[str, float] = {}
+        for r in per_rank:
+            combine(out, r)
         out["grad_norm"] = per_rank[0]["grad_norm"]  # the same on every rank
         return out
 
