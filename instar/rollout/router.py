@@ -10,9 +10,15 @@ episodes it was running are restarted. An engine that hangs (it has requests but
 no token for `hang_s`, or stops answering) is killed by the router's watchdog and then
 restarted the same way. An engine never generates with weights older than the run's current
 version (`Versions`).
+
+Every request of an episode is seeded from the run seed, the episode's key (its rollout id)
+and the request's index in the episode (`request_seed`), so what it samples does not depend
+on which engine or batch served it: a resumed run, on fresh engines, samples as the
+uninterrupted one. A request's own seed (a ChatAgent client's) wins.
 """
 
 import asyncio
+import hashlib
 import logging
 import time
 
@@ -25,15 +31,23 @@ from instar.rollout.versions import POLICY, Versions
 log = logging.getLogger(__name__)
 
 
+def request_seed(seed: int, episode: str, index: int) -> int:
+    """The sampling seed (63 bits) of request `index` (0, 1, ...) of `episode` in a run."""
+    digest = hashlib.blake2b(f"{seed}/{episode}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
 class Router:
     def __init__(self, engines: list, versions: Versions, policy: str = POLICY,
-                 hang_s: float = 120.0):
-        self.engines, self.versions, self.policy = engines, versions, policy
+                 hang_s: float = 120.0, seed: int = 0):
+        self.engines, self.versions, self.policy, self.seed = engines, versions, policy, seed
         self.hang_s, self.watchdog = hang_s, None
         self.live = [0] * len(engines)
         """Episodes currently assigned to each engine."""
         self.assigned: dict[str, int] = {}
         self.recovering: dict[int, asyncio.Future] = {}
+        self.requests: dict[str, int] = {}
+        """Requests sent so far per episode (the index of its next one's seed)."""
 
     def engine_of(self, episode: str) -> int:
         if episode not in self.assigned:
@@ -50,6 +64,9 @@ class Router:
         if self.watchdog is None and self.hang_s:
             self.watchdog = asyncio.ensure_future(self.watch())
         i = self.engine_of(episode)
+        n = self.requests.get(episode, 0)
+        self.requests[episode] = n + 1
+        sampling = {"seed": request_seed(self.seed, episode, n), **sampling}
         if i in self.recovering:
             await asyncio.shield(self.recovering[i])
         ref = self.engines[i].generate.remote(ids, sampling, self.versions[self.policy], images)
@@ -133,6 +150,8 @@ class Router:
             await asyncio.gather(self.watchdog, return_exceptions=True)
 
     def release(self, episode: str) -> None:
+        """The episode is over (a restarted one starts again from the same seeds)."""
+        self.requests.pop(episode, None)
         i = self.assigned.pop(episode, None)
         if i is not None:
             self.live[i] -= 1

@@ -47,6 +47,6 @@ def make_rollouts(cfg: Config, agent_cls: type, engines: list, tokenizer,
     return Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_name(model_path),
                     max_model_len=r.max_model_len, on_failure=r.on_failure,
                     max_retries=r.max_retries, judge=judge, judge_engines=judge_engines,
-                    hang_s=r.hang_s, max_request_mb=r.max_request_mb,
+                    hang_s=r.hang_s, max_request_mb=r.max_request_mb, seed=cfg.data.seed,
                     limits={"max_turns": a.max_turns, "max_tokens": a.max_tokens,
                             "timeout_s": a.timeout_s})
