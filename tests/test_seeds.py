@@ -88,3 +88,14 @@ def test_a_chat_agent_group_samples_the_same_on_either_engine(engines, tokenizer
     own = run(TwoRequests, engines[:1], tokenizer, [Task(prompt=TASK.prompt, id="own",
                                                          data={"seed": 11})])
     assert own["t7-own-0", 0] == own["t7-own-1", 0]
+
+
+def test_seeded_prompts_past_the_token_budget_are_not_split_on_a_cpu(engines, tokenizer):
+    """Prompts together longer than one engine step's token budget (2048): vLLM would split
+    one (a chunked prefill) and then rewind its generator, which a CPU generator cannot: the
+    engine died. The CPU engine does not split prompts, so all of them are answered."""
+    tasks = [Task(prompt=f"Tell me story {i} about " + "a long road, " * 14, id=f"road{i}")
+             for i in range(12)]  # (each its own prompt: no prefix cache hit shortens it)
+    assert sum(len(tokenizer(t.prompt)["input_ids"]) for t in tasks) * 2 > 2048
+    out = run(TwoTurns, engines[:1], tokenizer, tasks)
+    assert len(out) == 24

@@ -93,9 +93,16 @@ class Engine:
         if capture_routing:  # vLLM returns routed experts from its V2 runner only (GPU)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # Requests are seeded one by one (see router.py), each sampling with a generator of its
+        # own; after a split prefill vLLM rewinds it, which a CPU generator cannot ("CPU
+        # Generator does not use offset", the engine dies): on a CPU, no prompt is split
+        cpu = current_platform.is_cpu()
         args = AsyncEngineArgs(
+            enable_chunked_prefill=not cpu,
+            max_num_batched_tokens=max(max_model_len, 2048) if cpu else None,
             model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             logprobs_mode="processed_logprobs",  # after temperature: what sampled the token
             worker_extension_cls="instar.rollout.weight_receiver.WeightReceiver",
