@@ -163,9 +163,11 @@ class Rollouts:
 
     async def group(self, task: Task, n: int, sampling: dict, tag: str) -> Batch:
         """`n` rollouts of one task, sharing a group id."""
-        batch = Batch()
-        ok = await asyncio.gather(*(self._one(task, sampling, f"{tag}-{task.id}-{k}",
-                                              f"{tag}-{task.id}", batch) for k in range(n)))
+        batch, ids = Batch(), [f"{tag}-{task.id}-{k}" for k in range(n)]
+        ok = await asyncio.gather(*(self._one(task, sampling, i, f"{tag}-{task.id}", batch)
+                                    for i in ids))
+        # in sample order, whichever ended first: the update's mini-batches go by it (exact resume)
+        batch.samples.sort(key=lambda s: (ids.index(s.rollout_id), s.segment))
         if self.on_failure == "drop_group" and not all(ok) and batch.samples:
             batch.samples, batch.dropped_groups = [], 1
         return batch

@@ -107,8 +107,9 @@ class Rank:
                  threads: int = 1, lr: float = 1e-3, weight_decay: float = 0.0,
                  freeze: tuple[str, ...] = (), head: str = "lm",
                  activation_checkpointing: bool = False, cpu_offload: bool = False,
-                 master_dtype: str = "float32", routing_replay: bool = False):
+                 master_dtype: str = "float32", routing_replay: bool = False, seed: int = 0):
         torch.set_num_threads(threads)
+        torch.manual_seed(seed)  # what the checkpoint lacks (a critic's value head) starts alike
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
             if device == "cuda" else torch.device("cpu")

@@ -57,7 +57,8 @@ class Trainer:
                        activation_checkpointing=t.activation_checkpointing,
                        cpu_offload=t.cpu_offload,
                        master_dtype=cfg.model.dtype if frozen else t.master_dtype,
-                       routing_replay=t.routing_replay and head == "lm" and not frozen)
+                       routing_replay=t.routing_replay and head == "lm" and not frozen,
+                       seed=cfg.data.seed)
         actor = ray.remote(TrainWorker)
         self.workers = [actor.options(**(placement[r] if placement else default),
                                       runtime_env=RANK_ENV)
