@@ -24,11 +24,12 @@ pytestmark = pytest.mark.stack
 def test_instar_rl_end_to_end(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "instar.cli", "rl", "--train.steps", "5",
-         "--train.warmup-sft-steps", "3", "--data.prompts-per-step", "3",
+         "--train.warmup-sft-steps", "30", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "4",
          "--rollout.max-staleness", "2", "--eval.size", "4", "--eval.every", "1",
          "--eval.samples", "2", "--logging.rollouts-every", "1", "--logging.root", str(tmp_path),
-         "--logging.name", "run", "--logging.print-every", "2"],
+         "--logging.name", "run", "--logging.print-every", "2", "--algo.dynamic-filter",
+         "--algo.max-resample", "2"],
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = tmp_path / "run"
@@ -67,6 +68,8 @@ def test_instar_rl_end_to_end(tmp_path):
         lags = {i // 2 - v for v, m in zip(s.versions, s.loss_mask) if m}
         assert 0 <= min(lags) and max(lags) <= 2
     for m in metrics.values():  # the logged histogram: fractions of the step's tokens by lag
+        if m["rollout/drawn_groups"] == m["rollout/filtered_groups"]:
+            continue  # (no group with reward spread: nothing trained)
         hist = {int(k.removeprefix("staleness/lag_")): v for k, v in m.items()
                 if k.startswith("staleness/lag_")}
         assert sum(hist.values()) == pytest.approx(1.0)
@@ -81,7 +84,13 @@ def test_instar_rl_end_to_end(tmp_path):
     assert [e.step for e in events.Tensors("rollout/sample/text_summary")] == [1, 2, 3, 4, 5]
     for m in metrics.values():
         assert 0.0 <= m["rollout/truncated"] <= 1.0 and m["rollout/reward_std"] >= 0.0
-        assert m["train/adv_min"] <= m["train/adv_mean"] <= m["train/adv_max"]
+        # dynamic sampling: groups with no reward spread dropped, refilled up to 2 more
+        kept = m["rollout/drawn_groups"] - m["rollout/filtered_groups"]
+        assert kept == 3 or (kept < 3 and m["rollout/drawn_groups"] == 5), m
+        assert len(m["prompts"]) == m["rollout/drawn_groups"]
+        assert ("train/adv_mean" in m) == (kept > 0)
+        if kept:
+            assert m["train/adv_min"] <= m["train/adv_mean"] <= m["train/adv_max"]
     assert {p.name for p in (run / "plots").iterdir()} == {
         "reward.png", "eval.png", "mismatch.png", "staleness.png", "time.png"}
     summary = json.loads((run / "summary.json").read_text())
