@@ -246,9 +246,10 @@ class AlgoConfig:
     dual_clip: float | None = None
     """PPO only: for negative advantages the loss is at most -dual_clip * A (> 1; None: off)."""
     is_mode: Literal["off", "mask", "clip", "truncate"] = "off"
-    """Off-policy correction: weight the loss by trainer-old / behaviour probabilities, with
+    """Off-policy correction: weight the loss by old / behaviour probabilities (old: the
+    trainer before the step's first update, which the PPO ratio is then against), with
     weights outside [is_low, is_high] zeroed (mask), clamped (clip) or capped (truncate).
-    Trainer-old comes from the update's own forward (one update per batch): no extra pass."""
+    One update a step takes old from its own forward; several score it in one extra pass."""
     is_level: Literal["token", "sequence", "geometric"] = "token"
     """Importance weights per token, per sequence, or the per-token geometric mean."""
     is_low: float = 0.5

@@ -297,7 +297,7 @@ def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], c
     for _ in range(E):
         order = torch.randperm(len(seqs), generator=shuffle).tolist() if M > 1 else range(len(seqs))
         for part in ([seqs[i] for i in order[k::M]] for k in range(M)):
-            updates.append(trainer.step(part, "pg", lr))
+            updates.append(trainer.step(part, "pg", lr, a))
             if "critic" in others:
                 updates[-1]["critic_loss"] = others["critic"].step(part, "value", a.critic_lr)["loss"]
     stats = {k: max(vs) if k.endswith("_max") else min(vs) if k.endswith("_min") else mean(vs)

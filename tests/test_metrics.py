@@ -44,7 +44,7 @@ def test_reward_spread_groups_without_spread_and_truncation():
 class Recorder:
     """A trainer's `step` that keeps what it was given."""
 
-    def step(self, seqs, loss, lr):
+    def step(self, seqs, loss, lr, algo=None):
         self.seqs = seqs
         return {"loss": 0.0, "mismatch_tokens": 0, "abs_logprob_diff": 0.0, "k3": 0.0}
 

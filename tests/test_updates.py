@@ -16,8 +16,9 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def step(self, seqs, loss, lr):
+    def step(self, seqs, loss, lr, algo=None):
         self.calls.append(("step", seqs))
+        self.algo = algo
         return {"loss": float(len(self.calls)), "clip_frac": 0.0, "approx_kl": 0.0,
                 "grad_norm": 1.0, "mismatch_tokens": 2, "abs_logprob_diff": 0.2, "k3": 0.0}
 
@@ -79,3 +80,9 @@ def test_truncated_episodes_leave_the_loss_but_stay_in_the_baseline():
     assert not any(after[1].mask) and any(before[1].mask)
     assert [q.advantages for q in after] == [q.advantages for q in before]  # same baseline
     assert [q.mask for i, q in enumerate(after) if i != 1] == [q.mask for i, q in enumerate(before) if i != 1]
+
+
+def test_the_adaptive_kl_coefficient_reaches_the_loss():
+    trainer = Recorder()
+    stats = learn(batch(), trainer, {}, config(kl_coef=0.1, kl_target=0.01), 1, kl_coef=0.05)
+    assert trainer.algo.kl_coef == 0.05 and stats["kl_coef"] == 0.05

@@ -21,7 +21,7 @@ import ray
 from ray.util.queue import Queue
 
 from instar.cluster import init_process_group, rendezvous
-from instar.config import Config
+from instar.config import AlgoConfig, Config
 from instar.train import checkpoint
 from instar.train.batch import Sequence, shard
 from instar.train.losses import combine
@@ -84,13 +84,15 @@ class Trainer:
         return order, shard([seqs[i] for i in order], len(self.workers),
                             self.cfg.train.micro_batch_tokens)
 
-    def step(self, seqs: list[Sequence], loss: str, lr: float) -> dict[str, float]:
-        """One optimizer step on `seqs`; the step's loss and stats."""
+    def step(self, seqs: list[Sequence], loss: str, lr: float,
+             algo: AlgoConfig | None = None) -> dict[str, float]:
+        """One optimizer step on `seqs` (the policy loss: `algo`'s, default the run's); the
+        step's loss and stats."""
         c = self.cfg
         num_tokens = sum(sum(s.mask) for s in seqs)
         num_seqs = sum(any(s.mask) for s in seqs)
         self.sent = None
-        per_rank = ray.get(self._submit("train_step", loss, c.algo, num_tokens, num_seqs,
+        per_rank = ray.get(self._submit("train_step", loss, algo or c.algo, num_tokens, num_seqs,
                                         c.rollout.temperature, lr, c.train.grad_clip,
                                         parts=self._shards(seqs)[1]))
         out: dict[str, float] = {}
