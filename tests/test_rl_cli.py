@@ -117,7 +117,9 @@ def test_instar_rl_trains_a_chat_agent_with_kl_in_the_reward_a_critic_and_cispo(
         assert m["rollout/info/turns"] == 3  # three model calls, in two segments
         assert {"train/critic_loss", "train/is_filtered"} <= m.keys()
         assert m["train/is_filtered"] == 0.0  # on-policy: nothing to correct
-        assert "train/kl" not in m  # (in the reward, not a loss term)
+    # in the reward, train/kl is the behaviour policy's KL to the reference: the starting
+    # weights at step 1, those after one update at step 2
+    assert 0.0 <= metrics[1]["train/kl"] < 1e-6 < metrics[2]["train/kl"]
     assert metrics[1]["train/lr"] == 1e-3 and metrics[2]["train/lr"] == pytest.approx(1e-4)
 
 
