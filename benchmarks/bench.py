@@ -8,13 +8,17 @@ machine's matmul peak measured in the same run.
 Writes benchmarks/results/bench.json and bench.md (with --quick, in benchmarks/results/quick/).
 The workloads (benchmarks/bench_tasks.py): grpo-small (16 prompts x 8 samples, up to 128 new
 tokens; float32, and bfloat16 as grpo-small-bf16), agentic (4 model turns, a 50 ms tool call
-after each), long (4 x 4 samples, 1024 new tokens each: generation does not stop at
+after each), agentic-tail (1-8 model turns per episode, log-normal tool latencies with a
+median of 0.3 s and a p99 of 5 s; both sides draw the same turns and latencies for the same
+task and sample), long (4 x 4 samples, 1024 new tokens each: generation does not stop at
 end-of-turn tokens). For each, both sides start from the same weights folder (the built-in
-small model, ~24M parameters; agentic: the same after instar's cached supervised warm-up, so
-that turns end and episodes go on), take the same prompts in the same order, sample as many
-completions with the same temperature and token limits, and train with the same AdamW
-settings and precision. Each side has the whole machine in turn; steps after the warm-up
-steps are measured.
+small model, ~24M parameters; agentic, agentic-tail: the same after instar's cached
+supervised warm-up, so that turns end and episodes go on), take the same prompts in the same
+order, sample as many completions with the same temperature and token limits, and train with
+the same AdamW settings and precision. Each side has the whole machine in turn; steps after
+the warm-up steps are measured. The sides alternate, `--rounds` times each (instar, TRL,
+instar, TRL: default 2, with --quick 1), and the figures pool every round's measured steps,
+so a slow spell of the machine falls on both sides.
 
 TRL is not a dependency of instar. It runs in a subprocess (benchmarks/bench_trl.py) with
 this folder on PYTHONPATH, installed beside the venv without touching its packages:
@@ -120,7 +124,7 @@ def instar_side(w: Workload, model: Path, tasks: Path, root: Path,
     cfg.data.train, cfg.data.prompts_per_step = str(tasks), w.prompts_per_step
     cfg.agent.file = f"{HERE / 'bench_tasks.py'}:{w.agent}"
     if w.turns > 1:
-        cfg.agent.config = {"turns": str(w.turns), "latency_s": str(w.tool_latency_s)}
+        cfg.agent.config = {k: str(v) for k, v in w.plan.items()}
     r = cfg.rollout
     r.group_size, r.max_tokens, r.max_model_len = w.group_size, w.max_tokens, 512 + w.max_tokens * w.turns
     r.ignore_eos = w.fixed_length
@@ -149,7 +153,8 @@ def instar_side(w: Workload, model: Path, tasks: Path, root: Path,
             "gen_tokens": m["rollout/gen_tokens"], "episodes": episodes,
             "trained_tokens": w.group_size * sum(prompt_len[p] for p in m["prompts"])
             + m["rollout/gen_tokens"] + extra,
-            "turns": m.get("rollout/info/turns", 1), "prompts": m["prompts"]})
+            "turns": m.get("rollout/info/turns", 1), "tool_s": m.get("rollout/info/tool_s", 0.0),
+            "prompts": m["prompts"]})
     settings = {k: asdict(cfg)[g][k] for g, keys in {
         "model": ["dtype"], "rollout": ["group_size", "max_tokens", "ignore_eos", "temperature",
                                         "max_staleness", "threads", "num_engines", "partial",
@@ -197,23 +202,30 @@ def time_split(steps: list[dict], keys: list[str]) -> dict:
     return {k: statistics.median(s[k] for s in steps) for k in keys}
 
 
-def compare(name: str, w: Workload, root: Path, site: str, size: str) -> dict:
-    """Both sides' measured steps and settings."""
+def compare(name: str, w: Workload, root: Path, site: str, size: str, rounds: int) -> dict:
+    """Both sides' measured steps, pooled over `rounds` runs each (instar, TRL, instar, TRL,
+    ...; each step records its `round`), and their settings."""
     assert w.warmup_steps >= 1, "the first step has no previous one to time it from"
     model = weights_for(w, builtin_model("dense", size, 0))
     ours, theirs = write_tasks(w, root)
-    t0 = time.perf_counter()
-    instar_steps, instar_settings = instar_side(w, model, ours, root)
-    t1 = time.perf_counter()
-    trl_steps, trl_settings = trl_side(w, model, theirs, root, site)
-    print(f"[{name}] instar {t1 - t0:.0f} s, TRL {time.perf_counter() - t1:.0f} s (wall, "
-          "start-up included)", flush=True)
+    instar_steps, trl_steps = [], []
+    for r in range(rounds):
+        folder = root / f"round-{r}"
+        folder.mkdir()
+        t0 = time.perf_counter()
+        steps, instar_settings = instar_side(w, model, ours, folder)
+        instar_steps += [{**s, "round": r} for s in steps]
+        t1 = time.perf_counter()
+        steps, trl_settings = trl_side(w, model, theirs, folder, site)
+        trl_steps += [{**s, "round": r} for s in steps]
+        print(f"[{name}] round {r + 1}/{rounds}: instar {t1 - t0:.0f} s, TRL "
+              f"{time.perf_counter() - t1:.0f} s (wall, start-up included)", flush=True)
     for s in instar_steps:
         s["idle_s"] = s["step_s"] - s["loop_step_s"]
     for s in trl_steps:
         s["train_s"], s["episodes"] = s["step_s"] - s["rollout_s"], s["seqs"]
     return {"same_prompts_in_order": [s["prompts"] for s in instar_steps] ==
-            [s["prompts"] for s in trl_steps],
+            [s["prompts"] for s in trl_steps], "rounds": rounds,
             "settings": {"workload": asdict(w), "weights": str(model), "instar": instar_settings,
                          "trl": trl_settings},
             "per_step": {"instar": instar_steps, "trl": trl_steps}}
@@ -278,15 +290,20 @@ def markdown(result: dict) -> str:
         lines += [f"### {name}", "", f"- workload: `{json.dumps(s['workload'])}`",
                   f"- weights: `{s['weights']}`",
                   f"- same prompts in the same order on both sides: {r['same_prompts_in_order']}",
+                  f"- rounds (instar, TRL, instar, TRL, ...): {r['rounds']}; measured "
+                  f"steps pooled per side: {len(r['per_step']['instar'])} instar, "
+                  f"{len(r['per_step']['trl'])} TRL",
                   f"- instar: `{json.dumps(s['instar'])}`", f"- TRL: `{json.dumps(s['trl'])}`", ""]
     lines += ["TRL on CPU: `GRPOTrainer`, generation by transformers `generate` on the policy "
               "(TRL's default, `use_vllm=False`: its vLLM modes need a CUDA device or a separate "
-              "server). agentic: `GRPOTrainer(rollout_func=...)` (TRL's custom-rollout hook): "
-              "each turn generates all live episodes in one batch with the trainer's own "
-              "generation, runs every complete turn's 50 ms tool call concurrently (TRL's "
-              "built-in `tools=` loop would await them one episode after another), appends the "
-              "tool result with instar's chat-template continuation and masks it out of the loss; "
-              "a turn cut off at the token limit ends the episode, as in instar.", "",
+              "server). agentic, agentic-tail: `GRPOTrainer(rollout_func=...)` (TRL's custom-rollout "
+              "hook): each turn generates all live episodes in one batch with the trainer's own "
+              "generation, runs every complete turn's tool call concurrently (TRL's built-in "
+              "`tools=` loop would await them one episode after another), appends the tool "
+              "result with instar's chat-template continuation and masks it out of the loss; a "
+              "turn cut off at the token limit ends the episode, as in instar. Each episode's "
+              "turn count and tool latencies are drawn from a seed of (task id, sample index), "
+              "the same on both sides (bench_tasks.episode_plan).", "",
               f"TRL install (beside the venv, not a dependency of instar): `{TRL_INSTALL}`", ""]
     return "\n".join(lines)
 
@@ -296,11 +313,17 @@ def main():
     p.add_argument("--quick", action="store_true", help="reduced workloads (< 10 min in all)")
     p.add_argument("--only", nargs="+", choices=list(WORKLOADS), help="run only these workloads")
     p.add_argument("--trl-site", default="/tmp/trl-site", help="folder TRL is installed in")
+    p.add_argument("--rounds", type=int, help="runs of each side per workload, alternating "
+                   "(instar, TRL, instar, TRL, ...), their measured steps pooled (default 2, "
+                   "with --quick 1)")
     p.add_argument("--size", default="small", choices=["small", "tiny"],
                    help="built-in model size (tiny: a smoke test of the harness, not a benchmark)")
     p.add_argument("--out", help="folder for bench.json/bench.md (default: benchmarks/results, "
                    "with --quick benchmarks/results/quick)")
     args = p.parse_args()
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else 2
+    if rounds < 1:
+        p.error("--rounds must be at least 1")
     check = subprocess.run([sys.executable, "-c", "import trl"], capture_output=True,
                            env={**os.environ, "PYTHONPATH": args.trl_site})
     if check.returncode:
@@ -333,7 +356,7 @@ def main():
 
     for name in names:  # the results so far are written after each workload
         raw[name] = compare(name, table[name], Path(tempfile.mkdtemp(prefix=f"bench-{name}-")),
-                            args.trl_site, args.size)
+                            args.trl_site, args.size, rounds)
         write(final=False)
     for dtype in peaks:  # the best of before and after: the machine may be shared
         peaks[dtype] = max(peaks[dtype], matmul_peak(getattr(torch, dtype), size[dtype]))

@@ -3,13 +3,21 @@
 Agent-facing (no torch, no ray): instar loads the Env classes below as its agent; the TRL
 side (benchmarks/bench_trl.py) imports the same reward and the same turn rule.
 
-  grpo-small  one turn: "Reverse: abcd" -> the answer; reward = fraction of letters right
-  agentic     4 model turns; each turn that ends its message is one tool call taking 50 ms,
-              whose result is the next string to reverse (its letters shifted by one)
-  long        one turn, few samples, 1024 new tokens each (fixed length)
+  grpo-small    one turn: "Reverse: abcd" -> the answer; reward = fraction of letters right
+  agentic       4 model turns; each turn that ends its message is one tool call taking 50 ms,
+                whose result is the next string to reverse (its letters shifted by one)
+  agentic-tail  as agentic, but each episode takes 1-8 turns (drawn uniformly) and each tool
+                call's latency is log-normal, as real tools' are: median 0.3 s, p99 5 s
+  long          one turn, few samples, 1024 new tokens each (fixed length)
+
+An episode's turn count and tool latencies come from `episode_plan`, seeded by (task id,
+sample index): both sides draw the same ones for the same episode.
 """
 
 import asyncio
+import math
+import random
+import threading
 from dataclasses import dataclass
 
 from instar import Action, Env, Result, Task
@@ -28,7 +36,14 @@ class Workload:
     warmup_steps: int
     """Steps run first and not measured (engine warm-up, allocator, first compilations)."""
     turns: int = 1
+    """Model turns per episode (the most, with `min_turns`)."""
+    min_turns: int | None = None
+    """Fewest turns: each episode's count is drawn uniformly from min_turns..turns. None: always
+    `turns`."""
     tool_latency_s: float = 0.0
+    """Median seconds of a tool call."""
+    latency_sigma: float = 0.0
+    """Sigma of the log-normal tool latency; 0: every call takes `tool_latency_s`."""
     sft_steps: int = 0
     """Supervised warm-up (instar's, on the prompts' labels) that makes the model end its
     turns with an end-of-turn token, so that episodes go on to the next turn; both sides
@@ -42,14 +57,23 @@ class Workload:
     def agent(self) -> str:
         return "ToolTurns" if self.turns > 1 else "SingleTurn"
 
+    @property
+    def plan(self) -> dict:
+        """`episode_plan`'s settings, but for the seed."""
+        return dict(turns=self.turns, min_turns=self.min_turns or self.turns,
+                    latency_s=self.tool_latency_s, sigma=self.latency_sigma)
+
 
 SFT_STEPS = 30  # the same in full and quick runs, so both share one cached warm-up
+TAIL_SIGMA = math.log(5 / 0.3) / 2.326  # ~1.21: p99 (z = 2.326) at 5 s for a 0.3 s median
 
 WORKLOADS = {
     "grpo-small": Workload(16, 8, 128, steps=10, warmup_steps=2),
     "grpo-small-bf16": Workload(16, 8, 128, steps=10, warmup_steps=2, dtype="bfloat16"),
     "agentic": Workload(16, 8, 24, steps=10, warmup_steps=2, turns=4, tool_latency_s=0.05,
                         sft_steps=SFT_STEPS),
+    "agentic-tail": Workload(16, 8, 24, steps=5, warmup_steps=2, turns=8, min_turns=1,
+                             tool_latency_s=0.3, latency_sigma=TAIL_SIGMA, sft_steps=SFT_STEPS),
     "long": Workload(4, 4, 1024, steps=5, warmup_steps=1, fixed_length=True),
 }
 QUICK = {  # reduced forms for --quick: all of them in under 10 minutes on 2 cores
@@ -57,6 +81,8 @@ QUICK = {  # reduced forms for --quick: all of them in under 10 minutes on 2 cor
     "grpo-small-bf16": Workload(4, 8, 64, steps=3, warmup_steps=1, dtype="bfloat16"),
     "agentic": Workload(4, 8, 24, steps=2, warmup_steps=1, turns=4, tool_latency_s=0.05,
                         sft_steps=SFT_STEPS),
+    "agentic-tail": Workload(4, 8, 24, steps=2, warmup_steps=1, turns=8, min_turns=1,
+                             tool_latency_s=0.3, latency_sigma=TAIL_SIGMA, sft_steps=SFT_STEPS),
     "long": Workload(2, 2, 384, steps=2, warmup_steps=1, fixed_length=True),
 }
 
@@ -68,6 +94,15 @@ def shift(s: str) -> str:
 
 def tool_result(s: str) -> list[dict]:
     return [{"role": "tool", "content": f"Reverse: {shift(s)}"}]
+
+
+def episode_plan(task_id: str, sample: int, turns: int, min_turns: int, latency_s: float,
+                 sigma: float) -> tuple[int, list[float]]:
+    """The episode's turn count and its tool calls' latencies in seconds (one call after each
+    turn but the last), drawn from a seed of (task id, sample index) alone."""
+    rng = random.Random(f"{task_id}/{sample}")  # (a str seed is hashed the same in every process)
+    n = rng.randint(min_turns, turns)
+    return n, [latency_s * math.exp(sigma * rng.gauss(0, 1)) for _ in range(n - 1)]
 
 
 class SingleTurn(Env):
@@ -82,24 +117,40 @@ class SingleTurn(Env):
 
 
 class ToolTurns(Env):
-    """Each model turn is taken as one tool call (whatever its text): the call takes
-    `latency_s`, and its result asks to reverse the next string. Each turn earns its score
-    / `turns`. An episode ends after `turns` turns, or earlier when a turn runs out of
-    tokens (no end-of-turn token: instar does not continue a cut-off message)."""
+    """Each model turn is taken as one tool call (whatever its text): the call takes its
+    latency from `episode_plan`, and its result asks to reverse the next string. Each turn
+    earns its score / the episode's turns. An episode ends after its planned turns, or earlier
+    when a turn runs out of tokens (no end-of-turn token: instar does not continue a cut-off
+    message).
 
-    def __init__(self, turns: str = "4", latency_s: str = "0.05"):
+    The sample index of `episode_plan` is the order in which this process starts a task's
+    episodes: all of a run's episodes start here, each task's group once (no evaluation, no
+    restarts: partial rollouts resume rather than restart); instar loads the agent file
+    afresh for each run, so each run counts from 0, as TRL's process does."""
+
+    started: dict[str, int] = {}
+    lock = threading.Lock()  # (resets run on the episodes' own threads)
+
+    def __init__(self, turns: str = "4", min_turns: str = "4", latency_s: str = "0.05",
+                 sigma: str = "0"):
         super().__init__()
-        self.max_turns, self.latency_s = int(turns), float(latency_s)
+        self.plan = dict(turns=int(turns), min_turns=int(min_turns), latency_s=float(latency_s),
+                         sigma=float(sigma))
 
     async def reset(self, task: Task) -> str:
-        self.s, self.turn = task.prompt.removeprefix("Reverse: "), 0
+        with self.lock:
+            sample = self.started.get(task.id, 0)
+            self.started[task.id] = sample + 1
+        self.max_turns, self.latencies = episode_plan(task.id, sample, **self.plan)
+        self.s, self.turn, self.tool_s = task.prompt.removeprefix("Reverse: "), 0, 0.0
         return task.prompt
 
     async def step(self, action: Action) -> Result:
         reward, self.turn = score(action.text, self.s[::-1]) / self.max_turns, self.turn + 1
         if self.turn == self.max_turns:
-            return Result(reward=reward, info={"turns": self.turn})
-        await asyncio.sleep(self.latency_s)  # the tool call
+            return Result(reward=reward, info={"turns": self.turn, "tool_s": self.tool_s})
+        await asyncio.sleep(self.latencies[self.turn - 1])  # the tool call
+        self.tool_s += self.latencies[self.turn - 1]
         observation, self.s = tool_result(self.s), shift(self.s)
         return Result(reward=reward, observation=observation, terminated=False,
-                      info={"turns": self.turn})
+                      info={"turns": self.turn, "tool_s": self.tool_s})

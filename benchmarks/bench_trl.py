@@ -11,12 +11,14 @@ seconds, seconds in the rollout (generation, tool calls, rewards), generated tok
 trained (prompt + completion, tool results included), sequences.
 
 - single turn: the stock GRPOTrainer; generation by transformers `generate` on the policy.
-- agentic: GRPOTrainer with a `rollout_func` (TRL's custom-rollout hook). Each turn, all live
-  episodes are generated in one batch with the trainer's own generation (the method its
-  built-in tool loop calls); every turn that ended its message is a 50 ms tool call, all of
-  a turn's calls at once (TRL's built-in `tools=` loop would await them one episode after
-  another); tool results are appended with instar's chat-template continuation and masked
-  out of the loss (`env_mask`). The turn rule is instar's: a cut-off turn ends the episode.
+- agentic, agentic-tail: GRPOTrainer with a `rollout_func` (TRL's custom-rollout hook). Each
+  turn, all live episodes are generated in one batch with the trainer's own generation (the
+  method its built-in tool loop calls); every turn that ended its message, and is not its
+  episode's last, is a tool call, all of a turn's calls at once (TRL's built-in `tools=` loop
+  would await them one episode after another); tool results are appended with instar's
+  chat-template continuation and masked out of the loss (`env_mask`). The turn rule is
+  instar's: a cut-off turn ends the episode. Each episode's turn count and tool latencies
+  come from bench_tasks.episode_plan with the (task id, sample index) instar's agent uses.
 """
 
 import asyncio
@@ -24,9 +26,10 @@ import json
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import torch
-from bench_tasks import Workload, score, shift, tool_result
+from bench_tasks import Workload, episode_plan, score, shift, tool_result
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -43,12 +46,14 @@ class Timed(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         start = time.perf_counter()
+        self.task_ids = [x["id"] for x in inputs]  # for the rollout_func: it gets the prompts only
         out = super()._generate_and_score_completions(inputs)
         generated = out["completion_mask"] * out.get("tool_mask", 1)
         self.rollouts.append({
             "rollout_s": time.perf_counter() - start, "gen_tokens": int(generated.sum()),
             "trained_tokens": int(out["prompt_mask"].sum() + out["completion_mask"].sum()),
             "seqs": len(inputs), "turns": getattr(self, "turns", 1),
+            "tool_s": getattr(self, "tool_s", 0.0),
             "prompts": list(dict.fromkeys(x["id"] for x in inputs))})
         return out
 
@@ -64,19 +69,31 @@ class StepClock(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
+def plans(w: Workload, task_ids: list[str]) -> list[tuple[int, list[float]]]:
+    """Each episode's (turns, tool latencies): the k-th occurrence of a task is its sample k."""
+    seen = Counter()
+    out = []
+    for t in task_ids:
+        out.append(episode_plan(t, seen[t], **w.plan))
+        seen[t] += 1
+    return out
+
+
 def agentic_rollout(w: Workload):
-    """A `rollout_func`: `w.turns` model turns per episode, a tool call after each complete one."""
-    async def tool_calls(n: int):
-        await asyncio.gather(*(asyncio.sleep(w.tool_latency_s) for _ in range(n)))
+    """A `rollout_func`: each episode's planned model turns, a tool call after each complete
+    one but the last."""
+    async def tool_calls(latencies: list[float]):
+        await asyncio.gather(*(asyncio.sleep(s) for s in latencies))
 
     def rollout(prompts: list, trainer: GRPOTrainer) -> dict:
         tok, n = trainer.processing_class, len(prompts)
         trainer.generation_config.max_new_tokens = w.max_tokens  # per turn
+        plan = plans(w, trainer.task_ids)
         messages = [list(p) for p in prompts]
         strings = [p[-1]["content"].removeprefix("Reverse: ") for p in prompts]
         prompt = [prompt_ids(tok, m, None) for m in messages]
         completion, mask = [[] for _ in range(n)], [[] for _ in range(n)]
-        reward, turns, live = [0.0] * n, [0] * n, list(range(n))
+        reward, turns, live, tool_s = [0.0] * n, [0] * n, list(range(n)), 0.0
         for turn in range(w.turns):
             if not live:
                 break
@@ -87,12 +104,14 @@ def agentic_rollout(w: Workload):
                 text = tok.decode(ids, skip_special_tokens=True)
                 completion[i] += ids
                 mask[i] += [1] * len(ids)
-                reward[i] += score(text, strings[i][::-1]) / w.turns
+                reward[i] += score(text, strings[i][::-1]) / plan[i][0]
                 turns[i] += 1
-                if turn + 1 < w.turns and ids[-1:] == [tok.eos_token_id]:
+                if turn + 1 < plan[i][0] and ids[-1:] == [tok.eos_token_id]:
                     go_on.append(i)
                     messages[i] = messages[i] + [{"role": "assistant", "content": text}]
-            asyncio.run(tool_calls(len(go_on)))
+            latencies = [plan[i][1][turn] for i in go_on]
+            asyncio.run(tool_calls(latencies))
+            tool_s += sum(latencies)
             for i in go_on:
                 after = messages[i] + tool_result(strings[i])
                 obs = continuation_ids(tok, messages[i], after, None, True)
@@ -100,7 +119,7 @@ def agentic_rollout(w: Workload):
                 mask[i] += [0] * len(obs)
                 messages[i], strings[i] = after, shift(strings[i])
             live = go_on
-        trainer.turns = sum(turns) / n
+        trainer.turns, trainer.tool_s = sum(turns) / n, tool_s / n
         return {"prompt_ids": prompt, "completion_ids": completion, "logprobs": None,
                 "env_mask": mask, "episode_reward": reward}
     return rollout
