@@ -11,6 +11,7 @@ its --help; a setting has the same flag, and the same default, in every command:
 """
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,17 @@ from typing import Annotated, Any, Literal
 
 import tyro
 import yaml
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+
+SEQUENTIAL_PARAMS = 10_000_000
+"""From this model size on, --rollout.schedule auto runs contending engines and ranks one
+after the other (see `Config.schedule_for`)."""
 
 
 def estimator_names() -> Any:
@@ -116,8 +128,9 @@ class RolloutConfig:
     num_engines: int = 1
     """vLLM engines (Ray actors); episodes are spread over them, one episode per engine. An
     engine that dies is restarted by Ray, given the current weights, and its episodes retried."""
-    threads: int = 2
-    """CPU threads of each engine (on a CPU machine)."""
+    threads: int | None = None
+    """CPU threads of each engine (on a CPU machine). Default: this machine's cores shared
+    among the engines."""
     tensor_parallel: int = 1
     """GPUs of each engine (vLLM tensor parallelism; GPU only, disaggregated placement)."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
@@ -133,12 +146,19 @@ class RolloutConfig:
     partial: bool = True
     """At a weight update, requests in flight are paused and resume on the new weights (each
     token records its version); False: they are aborted and their episodes restarted."""
-    max_staleness: int | None = None
+    schedule: Literal["auto", "overlap", "sequential"] = "auto"
+    """overlap: the next steps' episodes are generated while the trainer trains, up to
+    `max_staleness` versions behind; sequential: generate, then train, each phase with all
+    the compute (on a CPU every core; every token on-policy, which meets any max_staleness).
+    auto, decided at start-up (logged, and in config.yaml): sequential where engines and
+    ranks would contend for the same compute and the model is big enough (>= 10M
+    parameters) for compute to outweigh the per-step overheads that overlap hides, that is
+    colocated on GPUs, or colocated on a CPU with more threads than cores; else overlap."""
+    max_staleness: int = 1
     """How many weight versions a generated token may lag the policy it is trained with.
     0: strictly on-policy (generate, then train: no overlap); k > 0: episodes for the next k
     steps are generated while the trainer trains (admission control starts no episode that
-    could exceed the bound). Default: 0 for engines colocated on GPUs (they sleep while the
-    trainer trains), else 1."""
+    could exceed the bound)."""
     on_failure: Literal["drop_rollout", "drop_group", "retry"] = "drop_rollout"
     """When an agent fails (raises, times out): drop that rollout, drop its whole group, or
     retry it with a fresh environment (`max_retries` times, then drop it)."""
@@ -188,8 +208,9 @@ class TrainConfig:
     """Regular expressions; parameters whose names match one are not trained (and never
     re-sent to the engines), e.g. 'mlp\\.gate\\.' for the MoE routers (Qwen3-MoE:
     model.layers.N.mlp.gate.weight)."""
-    threads_per_rank: int = 1
-    """CPU threads of each rank's torch."""
+    threads_per_rank: int | None = None
+    """CPU threads of each rank's torch. Default: this machine's cores shared among the
+    ranks (at least 1)."""
     lr: float | None = None
     """AdamW peak learning rate. Default: 1e-3 for the built-in model (a fresh tiny model),
     1e-6 with --model.path (a pretrained one)."""
@@ -414,10 +435,28 @@ class Config:
                 "train.warmup_sft_steps": 0 if own else 60,
                 "rollout.max_tokens": 1024 if own else 24,
                 "rollout.max_model_len": 4096 if own else 1024,
-                "rollout.max_staleness": int(not (device == "cuda" and
-                                                  self.rollout.placement == "colocated")),
+                "rollout.threads": max(1, cores() // max(1, self.rollout.num_engines)),
+                "train.threads_per_rank": max(1, cores() // max(1, self.train.num_ranks)),
                 "rollout.preflight_tol": 3e-2 if bf16 else 1e-3,
                 "rollout.sync_check_tol": 5e-2 if bf16 else 1e-4}
+
+    def schedule_for(self, params: int, num_cores: int | None = None) -> tuple[str, str]:
+        """What --rollout.schedule means for a model of `params` parameters on a machine of
+        `num_cores` cores (default: this one's), and why: auto is sequential when engines and
+        ranks contend for the same compute (colocated on GPUs; colocated on a CPU with more
+        threads than cores) and the model has at least SEQUENTIAL_PARAMS parameters."""
+        r, t = self.rollout, self.train
+        if r.schedule != "auto":
+            return r.schedule, "--rollout.schedule"
+        if self.cluster.device == "cuda":
+            return ("sequential", "the engines share the ranks' GPUs") \
+                if r.placement == "colocated" else ("overlap", "the engines have GPUs of their own")
+        threads, n = r.num_engines * r.threads + t.num_ranks * t.threads_per_rank, num_cores or cores()
+        if r.placement != "colocated" or threads <= n:
+            return "overlap", f"engines and ranks have cores of their own ({threads} threads, {n} cores)"
+        if params < SEQUENTIAL_PARAMS:
+            return "overlap", f"{threads} threads on {n} cores, but a small model ({params / 1e6:.1f}M)"
+        return "sequential", f"{threads} threads on {n} cores, a {params / 1e6:.1f}M model"
 
     def _check_ranges(self, rl: bool) -> None:
         r, t, e, c, a = self.rollout, self.train, self.eval, self.checkpoint, self.algo
@@ -440,6 +479,8 @@ class Config:
         if r.max_staleness < 0 or not 0 < r.gpu_memory <= 1:
             raise ValueError("--rollout.max-staleness must be >= 0 and --rollout.gpu-memory in "
                              "(0, 1]")
+        if r.threads < 1 or t.threads_per_rank < 1:
+            raise ValueError("--rollout.threads and --train.threads-per-rank must be >= 1")
         if r.sync_check_tol <= 0:
             raise ValueError("--rollout.sync-check-tol must be > 0")
         if r.hang_s < 0 or r.max_request_mb <= 0:
@@ -483,10 +524,10 @@ class Config:
 
     def _check_combinations(self) -> None:
         r, t, device = self.rollout, self.train, self.cluster.device
-        if r.placement == "colocated" and device == "cuda" and r.max_staleness > 0:
+        if r.placement == "colocated" and device == "cuda" and r.schedule == "overlap":
             raise ValueError("colocated engines on GPUs sleep while the trainer trains, so "
-                             "generation cannot overlap training: set --rollout.max-staleness 0, "
-                             "or use --rollout.placement disaggregated")
+                             "generation cannot overlap training: use --rollout.schedule "
+                             "sequential (or auto), or --rollout.placement disaggregated")
         if r.transport != "file" and device != "cuda":
             raise ValueError(f"--rollout.transport {r.transport} needs GPUs (--cluster.device "
                              "cuda); on CPU use --rollout.transport file")

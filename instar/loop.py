@@ -20,8 +20,9 @@
                                                        the probe check of sync k runs on
                                                          the engines while step k+1 waits
 
-With max_staleness 0 generation and training alternate (strictly on-policy); with S > 0 the
-groups of the next S steps are generated while the trainer trains. Before step 1 the
+With max_staleness 0, or --rollout.schedule sequential (each phase then has all the cores),
+generation and training alternate (strictly on-policy); with S > 0 the groups of the next S
+steps are generated while the trainer trains. Before step 1 the
 preflight gate rescores fresh samples in the trainer; after every sync each engine's
 log-probs on a fixed probe sequence must match the trainer's before its tokens are used.
 
@@ -49,7 +50,7 @@ from instar.agents.chat import as_messages, prompt_ids
 from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate, mean
-from instar.inputs import Inputs, other_model_paths, run_inputs, task_order
+from instar.inputs import Inputs, other_model_paths, parameter_count, run_inputs, task_order
 from instar.metrics import MISMATCH, TRUNCATED, RunLog, StepResult, spread, step_metrics
 from instar.placement import place
 from instar.plots import plot_run
@@ -105,6 +106,9 @@ def run(cfg: Config, inputs: Inputs | None = None) -> dict:
     """`inputs`: the run's model, data and agent, already checked (default: read them now)."""
     cfg.validate()
     inputs = inputs or run_inputs(cfg)
+    schedule, why = cfg.schedule_for(parameter_count(inputs.model_path))
+    cfg = replace(cfg, rollout=replace(cfg.rollout, schedule=schedule))
+    console.log(f"schedule: {schedule} ({why})")
     with ExitStack() as stack:
         r = setup(cfg, inputs, stack)
         start = begin(r)
@@ -112,7 +116,8 @@ def run(cfg: Config, inputs: Inputs | None = None) -> dict:
         P, ro = cfg.data.prompts_per_step, cfg.rollout
         a = cfg.algo  # dynamic sampling: groups with no reward spread are dropped and refilled
         stream = Stream(r.rollouts, task_order(r.inputs.train_tasks, cfg.data.seed), P,
-                        ro.group_size, sampling(cfg), ro.max_staleness, r.ticket,
+                        ro.group_size, sampling(cfg),
+                        0 if ro.schedule == "sequential" else ro.max_staleness, r.ticket,
                         max_resample=a.max_resample if a.dynamic_filter else 0,
                         keep=lambda g: not a.dynamic_filter or bool(informative(g.samples)))
         stack.callback(release, stream.close)

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from instar.cli import SECTIONS, main, parse
-from instar.config import Config, from_dict, load_yaml
+from instar.config import Config, cores, from_dict, load_yaml
 
 
 def test_default_config_is_valid():
@@ -177,8 +177,8 @@ FLAGS = {  # every flag of each section, as --help shows it
     "data": "train eval prompt-key label-key prompts-per-step seed",
     "agent": "file config max-turns max-tokens timeout-s judge",
     "rollout": "group-size temperature max-tokens ignore-eos max-model-len kv-cache-gb num-engines "
-               "threads tensor-parallel placement gpu-memory transport partial max-staleness on-failure "
-               "max-retries preflight preflight-tol sync-check-tol hang-s max-request-mb",
+               "threads tensor-parallel placement gpu-memory transport partial schedule max-staleness "
+               "on-failure max-retries preflight preflight-tol sync-check-tol hang-s max-request-mb",
     "eval": "size every samples temperature max-tokens pass-threshold",
     "train": "steps num-ranks freeze threads-per-rank lr lr-warmup-steps lr-schedule min-lr-ratio "
              "weight-decay grad-clip micro-batch-tokens activation-checkpointing cpu-offload "
@@ -311,14 +311,41 @@ def test_own_model_gets_a_pretrained_models_defaults():
 
 
 def test_a_gpu_run_without_placement_flags_validates():
-    """Engines colocated on GPUs sleep while the trainer trains: the staleness default is 0
-    there, so the plain GPU command is a valid layout."""
+    """Engines colocated on GPUs sleep while the trainer trains: the plain GPU command is a
+    valid layout (auto runs it sequentially, which meets any staleness bound); overlap is
+    refused there, with the reason."""
     cfg, _ = parse("rl", ["--cluster.device", "cuda"])
-    assert (cfg.rollout.placement, cfg.rollout.max_staleness) == ("colocated", 0)
+    assert cfg.rollout.placement == "colocated"
+    assert cfg.schedule_for(10**9)[0] == "sequential"
+    cfg, _ = parse("rl", ["--cluster.device", "cuda", "--rollout.max-staleness", "2"])
+    assert cfg.rollout.max_staleness == 2  # an explicit bound is never rewritten
     cfg, _ = parse("rl", ["--cluster.device", "cuda", "--rollout.placement", "disaggregated"])
-    assert cfg.rollout.max_staleness == 1
-    with pytest.raises(SystemExit):  # asked for explicitly: refused, with the reason
-        parse("rl", ["--cluster.device", "cuda", "--rollout.max-staleness", "1"])
+    assert cfg.schedule_for(10**9)[0] == "overlap"
+    with pytest.raises(SystemExit):
+        parse("rl", ["--cluster.device", "cuda", "--rollout.schedule", "overlap"])
+
+
+@pytest.mark.parametrize("flags, params, cores, plan", [
+    ([], 24_000_000, 2, "sequential"),  # 2 + 2 x 1 threads on 2 cores, a compute-bound model
+    ([], 361_216, 2, "overlap"),  # the built-in tiny model: overheads dominate, overlap hides them
+    (["--rollout.threads", "1", "--train.num-ranks", "1", "--train.threads-per-rank", "1"],
+     24_000_000, 2, "overlap"),  # 1 + 1 threads on 2 cores: nothing is shared
+    ([], 24_000_000, 16, "overlap"),  # defaults on 16 cores: 2 + 2 x 1 threads
+    (["--rollout.placement", "disaggregated"], 10**9, 2, "overlap"),  # cores of their own
+    (["--rollout.schedule", "overlap"], 10**9, 2, "overlap"),  # asked for: kept
+    (["--rollout.schedule", "sequential"], 1000, 64, "sequential"),
+])
+def test_the_schedule_auto_chooses(flags, params, cores, plan):
+    cfg, _ = parse("rl", ["--rollout.threads", "2", "--train.threads-per-rank", "1", *flags])
+    assert cfg.schedule_for(params, cores)[0] == plan
+
+
+def test_thread_counts_default_to_the_machines_cores():
+    cfg, _ = parse("rl", ["--rollout.num-engines", "2", "--train.num-ranks", "4"])
+    assert cfg.rollout.threads == max(1, cores() // 2)
+    assert cfg.train.threads_per_rank == max(1, cores() // 4)
+    with pytest.raises(SystemExit):
+        parse("rl", ["--rollout.threads", "0"])
 
 
 def test_cli_config_error_is_a_clear_message():

@@ -1,4 +1,4 @@
-"""Exact resume, strictly on-policy (`--rollout.max-staleness 0`): a run stopped after step 2
+"""Exact resume, strictly on-policy (`--rollout.schedule sequential`): a run stopped after step 2
 and resumed from its checkpoint learns exactly what the uninterrupted run learns: the same
 losses, gradient norms, per-update statistics and critic losses at every step, and the same
 final weights, with a critic (gae) and several updates per batch (2 epochs of 2 mini-batches,
@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import step_lines
 from safetensors.torch import load_file
 
@@ -21,7 +22,7 @@ FLAGS = ["--train.warmup-sft-steps", "0", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "0",
          "--eval.size", "0", "--logging.no-progress", "--logging.no-tensorboard",
          "--logging.no-plots", "--checkpoint.every", "2", "--checkpoint.keep", "1",
-         "--rollout.max-staleness", "0", "--algo.estimator", "gae", "--algo.epochs", "2",
+         "--rollout.schedule", "sequential", "--algo.estimator", "gae", "--algo.epochs", "2",
          "--algo.mini-batches", "2", "--algo.is-mode", "clip"]
 
 
@@ -50,6 +51,10 @@ def test_a_resumed_run_learns_exactly_what_the_uninterrupted_one_does(tmp_path):
     for step in (3, 4):  # the steps after the resume
         assert {k: b[step][k] for k in keys} == {k: a[step][k] for k in keys}, step
     assert len(a[4]["train/updates"]) == 4 and a[4]["train/approx_kl"] > 0  # it did move
+    # sequential: every token on-policy, within the bound of 1 that config.yaml keeps as given
+    rollout = yaml.safe_load((tmp_path / "whole" / "config.yaml").read_text())["rollout"]
+    assert (rollout["schedule"], rollout["max_staleness"]) == ("sequential", 1)
+    assert all(m["staleness/max"] == 0 for m in [*a.values(), *b.values()])
     final_a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
     final_b = load_file(tmp_path / "cut" / "final" / "model.safetensors")
     assert final_a.keys() == final_b.keys()

@@ -43,7 +43,11 @@ def test_instar_rl_end_to_end(tmp_path):
                           f"  plots       {run / 'plots'}", f"  metrics     {run / 'metrics.jsonl'}",
                           f"  rollouts    {run / 'rollouts.jsonl'}",
                           f"  tensorboard tensorboard --logdir {tmp_path}"]
-    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 5
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert recorded["train"]["steps"] == 5
+    # --rollout.schedule auto, decided at start-up: a 361K model overlaps (logged, recorded)
+    assert recorded["rollout"]["schedule"] == "overlap"
+    assert "schedule: overlap" in out.stdout
     metrics = step_lines(run)
     assert sorted(metrics) == [1, 2, 3, 4, 5]
     assert "invariants/abs_logprob_diff" in metrics[1]  # step 1's tokens all have lag 0
