@@ -67,14 +67,14 @@ class Workload:
 SFT_STEPS = 30  # the same in full and quick runs, so both share one cached warm-up
 TAIL_SIGMA = math.log(5 / 0.3) / 2.326  # ~1.21: p99 (z = 2.326) at 5 s for a 0.3 s median
 
-WORKLOADS = {
-    "grpo-small": Workload(16, 8, 128, steps=10, warmup_steps=2),
-    "grpo-small-bf16": Workload(16, 8, 128, steps=10, warmup_steps=2, dtype="bfloat16"),
-    "agentic": Workload(16, 8, 24, steps=10, warmup_steps=2, turns=4, tool_latency_s=0.05,
+WORKLOADS = {  # per run; bench.py runs each side --rounds times (default 2), steps pooled
+    "grpo-small": Workload(16, 8, 128, steps=5, warmup_steps=1),
+    "grpo-small-bf16": Workload(16, 8, 128, steps=5, warmup_steps=1, dtype="bfloat16"),
+    "agentic": Workload(16, 8, 24, steps=5, warmup_steps=1, turns=4, tool_latency_s=0.05,
                         sft_steps=SFT_STEPS),
-    "agentic-tail": Workload(16, 8, 24, steps=5, warmup_steps=2, turns=8, min_turns=1,
+    "agentic-tail": Workload(16, 8, 24, steps=5, warmup_steps=1, turns=8, min_turns=1,
                              tool_latency_s=0.3, latency_sigma=TAIL_SIGMA, sft_steps=SFT_STEPS),
-    "long": Workload(4, 4, 1024, steps=5, warmup_steps=1, fixed_length=True),
+    "long": Workload(4, 4, 1024, steps=3, warmup_steps=1, fixed_length=True),
 }
 QUICK = {  # reduced forms for --quick: all of them in under 10 minutes on 2 cores
     "grpo-small": Workload(4, 8, 64, steps=3, warmup_steps=1),

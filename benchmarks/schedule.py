@@ -1,21 +1,22 @@
 """instar's step time under each --rollout.schedule (auto, overlap, sequential), side by side
 in one invocation, on the default job and on bench.py's grpo-small and long workloads.
 
-    .venv/bin/python benchmarks/schedule.py                 # about 30 minutes on 2 cores
+    .venv/bin/python benchmarks/schedule.py                 # about 25 minutes on 2 cores
     .venv/bin/python benchmarks/schedule.py --only default
 
-Writes benchmarks/results/schedule.json: for each workload, what auto chose (and why, from
-the run's log line) and, per schedule, the median, min and max wall seconds per step over
+Writes benchmarks/results/schedule.json: for each workload, what auto chose (read from the
+run's config.yaml) and, per schedule, the median, min and max wall seconds per step over
 the measured steps and the run's wall time. `auto_over_best`: auto's median step over the
-better of overlap and sequential (at most 1 plus noise is what auto promises). The workloads'
-runs alternate (auto, overlap, sequential, then the next workload), each with the machine to
-itself.
+better of overlap and sequential (at most 1 plus noise is what auto promises). Each workload
+runs auto, overlap, then sequential, one run at a time with the machine to itself.
 
   default     `instar rl` as `make run` runs it (built-in tiny model, warm-up cached, evals
               included in the run's wall time); steps 2-150 measured
-  grpo-small  bench.py's workload (built-in small model, 16 x 8 samples, up to 128 tokens),
-              1 warm-up step and 4 measured
-  long        bench.py's (4 x 4 samples of 1024 tokens each), 1 warm-up step and 3 measured
+  grpo-small  one run of bench.py's workload (built-in small model, 16 x 8 samples, up to
+              128 tokens): 1 warm-up step, 5 measured
+  long        bench.py's (4 x 4 samples of 1024 tokens each): 1 warm-up step, 3 measured
+  agentic-tail  bench.py's (1-8 turns, log-normal tool latencies): 1 warm-up step, 5
+              measured; only when named in --only
 """
 
 import argparse
@@ -24,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from bench import instar_side, weights_for, write_tasks
@@ -35,8 +35,8 @@ from instar.tasks.tiny_model import builtin_model
 
 HERE = Path(__file__).parent
 SCHEDULES = ["auto", "overlap", "sequential"]
-BENCH = {"grpo-small": replace(WORKLOADS["grpo-small"], steps=4, warmup_steps=1),
-         "long": replace(WORKLOADS["long"], steps=3, warmup_steps=1)}
+BENCH = {name: WORKLOADS[name] for name in ("grpo-small", "long", "agentic-tail")}
+DEFAULT = ["default", "grpo-small", "long"]  # (agentic-tail when named)
 
 
 def chosen(run_dir: Path) -> str:
@@ -73,7 +73,7 @@ def main():
     result = {"date": time.strftime("%Y-%m-%d %H:%M"),
               "command": " ".join([".venv/bin/python benchmarks/schedule.py", *sys.argv[1:]]),
               "workloads": {}}
-    for name in args.only or ["default", *BENCH]:
+    for name in args.only or DEFAULT:
         root, runs = Path(tempfile.mkdtemp(prefix=f"schedule-{name}-")), {}
         for schedule in SCHEDULES:
             t0 = time.perf_counter()

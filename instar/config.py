@@ -27,11 +27,6 @@ def cores() -> int:
 
 
 
-SEQUENTIAL_PARAMS = 10_000_000
-"""From this model size on, --rollout.schedule auto runs contending engines and ranks one
-after the other (see `Config.schedule_for`)."""
-
-
 def estimator_names() -> Any:
     """The choices of --algo.estimator: the registry `ESTIMATORS` (instar/train/advantages.py),
     read when the flags are parsed, not at import: `instar` and the --help of commands without
@@ -129,8 +124,8 @@ class RolloutConfig:
     """vLLM engines (Ray actors); episodes are spread over them, one episode per engine. An
     engine that dies is restarted by Ray, given the current weights, and its episodes retried."""
     threads: int | None = None
-    """CPU threads of each engine (on a CPU machine). Default: this machine's cores shared
-    among the engines."""
+    """CPU threads of each engine (on a CPU machine). Default: this machine's cores, shared
+    among the engines (disaggregated: among engines and ranks)."""
     tensor_parallel: int = 1
     """GPUs of each engine (vLLM tensor parallelism; GPU only, disaggregated placement)."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
@@ -149,11 +144,10 @@ class RolloutConfig:
     schedule: Literal["auto", "overlap", "sequential"] = "auto"
     """overlap: the next steps' episodes are generated while the trainer trains, up to
     `max_staleness` versions behind; sequential: generate, then train, each phase with all
-    the compute (on a CPU every core; every token on-policy, which meets any max_staleness).
-    auto, decided at start-up (logged, and in config.yaml): sequential where engines and
-    ranks would contend for the same compute and the model is big enough (>= 10M
-    parameters) for compute to outweigh the per-step overheads that overlap hides, that is
-    colocated on GPUs, or colocated on a CPU with more threads than cores; else overlap."""
+    the compute (every token on-policy, which meets any max_staleness). auto, decided at
+    start-up (logged, and in config.yaml): sequential where engines and ranks would contend
+    for the same compute (colocated on GPUs, or colocated on a CPU with more threads than
+    cores: the default threads), else overlap."""
     max_staleness: int = 1
     """How many weight versions a generated token may lag the policy it is trained with.
     0: strictly on-policy (generate, then train: no overlap); k > 0: episodes for the next k
@@ -209,8 +203,8 @@ class TrainConfig:
     re-sent to the engines), e.g. 'mlp\\.gate\\.' for the MoE routers (Qwen3-MoE:
     model.layers.N.mlp.gate.weight)."""
     threads_per_rank: int | None = None
-    """CPU threads of each rank's torch. Default: this machine's cores shared among the
-    ranks (at least 1)."""
+    """CPU threads of each rank's torch. Default: this machine's cores, shared among the
+    ranks (disaggregated: among engines and ranks)."""
     lr: float | None = None
     """AdamW peak learning rate. Default: 1e-3 for the built-in model (a fresh tiny model),
     1e-6 with --model.path (a pretrained one)."""
@@ -427,6 +421,11 @@ class Config:
         one that needs a supervised warm-up, a high learning rate and short replies; a
         pretrained model (--model.path) gets a pretrained model's RL settings."""
         own, bf16, device = bool(self.model.path), self.model.dtype == "bfloat16", self.cluster.device
+        # threads: colocated engines and ranks take turns with every core (or share them, see
+        # `schedule_for`); disaggregated ones divide them, each bundle reserving its own
+        engines, ranks = self.rollout.num_engines, self.train.num_ranks
+        if self.rollout.placement == "disaggregated":
+            engines = ranks = engines + ranks
         if device == "auto":
             import torch
 
@@ -435,28 +434,26 @@ class Config:
                 "train.warmup_sft_steps": 0 if own else 60,
                 "rollout.max_tokens": 1024 if own else 24,
                 "rollout.max_model_len": 4096 if own else 1024,
-                "rollout.threads": max(1, cores() // max(1, self.rollout.num_engines)),
-                "train.threads_per_rank": max(1, cores() // max(1, self.train.num_ranks)),
+                "rollout.threads": max(1, cores() // max(1, engines)),
+                "train.threads_per_rank": max(1, cores() // max(1, ranks)),
                 "rollout.preflight_tol": 3e-2 if bf16 else 1e-3,
                 "rollout.sync_check_tol": 5e-2 if bf16 else 1e-4}
 
-    def schedule_for(self, params: int, num_cores: int | None = None) -> tuple[str, str]:
-        """What --rollout.schedule means for a model of `params` parameters on a machine of
-        `num_cores` cores (default: this one's), and why: auto is sequential when engines and
-        ranks contend for the same compute (colocated on GPUs; colocated on a CPU with more
-        threads than cores) and the model has at least SEQUENTIAL_PARAMS parameters."""
+    def schedule_for(self, num_cores: int | None = None) -> tuple[str, str]:
+        """What --rollout.schedule means on a machine of `num_cores` cores (default: this
+        one's), and why: auto is sequential where engines and ranks would contend for the same
+        compute (colocated on GPUs, or colocated on a CPU with more threads than cores)."""
         r, t = self.rollout, self.train
         if r.schedule != "auto":
-            return r.schedule, "--rollout.schedule"
+            return r.schedule, "set by --rollout.schedule"
+        if r.placement != "colocated":
+            return "overlap", "engines and ranks have devices or cores of their own"
         if self.cluster.device == "cuda":
-            return ("sequential", "the engines share the ranks' GPUs") \
-                if r.placement == "colocated" else ("overlap", "the engines have GPUs of their own")
+            return "sequential", "the engines share the ranks' GPUs"
         threads, n = r.num_engines * r.threads + t.num_ranks * t.threads_per_rank, num_cores or cores()
-        if r.placement != "colocated" or threads <= n:
-            return "overlap", f"engines and ranks have cores of their own ({threads} threads, {n} cores)"
-        if params < SEQUENTIAL_PARAMS:
-            return "overlap", f"{threads} threads on {n} cores, but a small model ({params / 1e6:.1f}M)"
-        return "sequential", f"{threads} threads on {n} cores, a {params / 1e6:.1f}M model"
+        if threads <= n:
+            return "overlap", f"{threads} engine and rank threads fit in {n} cores"
+        return "sequential", f"{threads} engine and rank threads share {n} cores"
 
     def _check_ranges(self, rl: bool) -> None:
         r, t, e, c, a = self.rollout, self.train, self.eval, self.checkpoint, self.algo

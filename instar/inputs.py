@@ -1,7 +1,6 @@
 """A run's inputs from its config: tasks, the agent class, the model folder and its tokenizer,
 and the order in which the training tasks are taken."""
 
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,17 +32,6 @@ def model_path(cfg: Config) -> Path:
     if cfg.model.path:
         return resolve_model(cfg.model.path, "--model.path")
     return builtin_model(cfg.model.kind, cfg.model.size, cfg.model.seed)
-
-
-def parameter_count(model: Path) -> int:
-    """The parameters in a checkpoint folder's safetensors files, read from their headers."""
-    from safetensors import safe_open
-
-    count = 0
-    for file in model.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            count += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    return count
 
 
 def other_model_paths(cfg: Config) -> dict[str, Path]:

@@ -50,7 +50,7 @@ from instar.agents.chat import as_messages, prompt_ids
 from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate, mean
-from instar.inputs import Inputs, other_model_paths, parameter_count, run_inputs, task_order
+from instar.inputs import Inputs, other_model_paths, run_inputs, task_order
 from instar.metrics import MISMATCH, TRUNCATED, RunLog, StepResult, spread, step_metrics
 from instar.placement import place
 from instar.plots import plot_run
@@ -106,7 +106,7 @@ def run(cfg: Config, inputs: Inputs | None = None) -> dict:
     """`inputs`: the run's model, data and agent, already checked (default: read them now)."""
     cfg.validate()
     inputs = inputs or run_inputs(cfg)
-    schedule, why = cfg.schedule_for(parameter_count(inputs.model_path))
+    schedule, why = cfg.schedule_for()
     cfg = replace(cfg, rollout=replace(cfg.rollout, schedule=schedule))
     console.log(f"schedule: {schedule} ({why})")
     with ExitStack() as stack:

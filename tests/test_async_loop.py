@@ -29,7 +29,7 @@ FLAGS = ["--train.warmup-sft-steps", "0", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "4",
          "--eval.size", "0", "--checkpoint.no-save-final", "--logging.no-progress",
          "--train.steps", "5", "--checkpoint.every", "2", "--checkpoint.keep", "1",
-         "--rollout.max-staleness", "1"]
+         "--rollout.schedule", "overlap", "--rollout.max-staleness", "1"]
 
 
 def start(root: Path, name: str, *flags) -> subprocess.Popen:

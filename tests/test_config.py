@@ -316,34 +316,37 @@ def test_a_gpu_run_without_placement_flags_validates():
     refused there, with the reason."""
     cfg, _ = parse("rl", ["--cluster.device", "cuda"])
     assert cfg.rollout.placement == "colocated"
-    assert cfg.schedule_for(10**9)[0] == "sequential"
+    assert cfg.schedule_for()[0] == "sequential"
     cfg, _ = parse("rl", ["--cluster.device", "cuda", "--rollout.max-staleness", "2"])
     assert cfg.rollout.max_staleness == 2  # an explicit bound is never rewritten
     cfg, _ = parse("rl", ["--cluster.device", "cuda", "--rollout.placement", "disaggregated"])
-    assert cfg.schedule_for(10**9)[0] == "overlap"
+    assert cfg.schedule_for()[0] == "overlap"
     with pytest.raises(SystemExit):
         parse("rl", ["--cluster.device", "cuda", "--rollout.schedule", "overlap"])
 
 
-@pytest.mark.parametrize("flags, params, cores, plan", [
-    ([], 24_000_000, 2, "sequential"),  # 2 + 2 x 1 threads on 2 cores, a compute-bound model
-    ([], 361_216, 2, "overlap"),  # the built-in tiny model: overheads dominate, overlap hides them
-    (["--rollout.threads", "1", "--train.num-ranks", "1", "--train.threads-per-rank", "1"],
-     24_000_000, 2, "overlap"),  # 1 + 1 threads on 2 cores: nothing is shared
-    ([], 24_000_000, 16, "overlap"),  # defaults on 16 cores: 2 + 2 x 1 threads
-    (["--rollout.placement", "disaggregated"], 10**9, 2, "overlap"),  # cores of their own
-    (["--rollout.schedule", "overlap"], 10**9, 2, "overlap"),  # asked for: kept
-    (["--rollout.schedule", "sequential"], 1000, 64, "sequential"),
+@pytest.mark.parametrize("flags, cores, plan", [
+    ([], cores(), "sequential"),  # the defaults: each side takes every core, so they take turns
+    (["--rollout.threads", "1", "--train.num-ranks", "1", "--train.threads-per-rank", "1"], 2,
+     "overlap"),  # 1 + 1 threads on 2 cores: nothing is shared
+    (["--rollout.threads", "2", "--train.threads-per-rank", "1"], 16, "overlap"),  # 2 + 2 x 1
+    (["--rollout.threads", "2", "--train.threads-per-rank", "1"], 2, "sequential"),
+    (["--rollout.placement", "disaggregated"], 2, "overlap"),  # cores of their own
+    (["--rollout.schedule", "overlap"], 2, "overlap"),  # asked for: kept
+    (["--rollout.schedule", "sequential", "--rollout.threads", "1", "--train.num-ranks", "1",
+      "--train.threads-per-rank", "1"], 64, "sequential"),
 ])
-def test_the_schedule_auto_chooses(flags, params, cores, plan):
-    cfg, _ = parse("rl", ["--rollout.threads", "2", "--train.threads-per-rank", "1", *flags])
-    assert cfg.schedule_for(params, cores)[0] == plan
+def test_the_schedule_auto_chooses(flags, cores, plan):
+    cfg, _ = parse("rl", flags)
+    assert cfg.schedule_for(cores)[0] == plan
 
 
 def test_thread_counts_default_to_the_machines_cores():
     cfg, _ = parse("rl", ["--rollout.num-engines", "2", "--train.num-ranks", "4"])
     assert cfg.rollout.threads == max(1, cores() // 2)
     assert cfg.train.threads_per_rank == max(1, cores() // 4)
+    cfg, _ = parse("rl", ["--rollout.placement", "disaggregated"])  # 1 engine, 2 ranks: a third
+    assert cfg.rollout.threads == cfg.train.threads_per_rank == max(1, cores() // 3)
     with pytest.raises(SystemExit):
         parse("rl", ["--rollout.threads", "0"])
 

@@ -1,12 +1,14 @@
-"""Exact resume, strictly on-policy (`--rollout.schedule sequential`): a run stopped after step 2
+"""Exact resume, strictly on-policy: a run stopped after step 2
 and resumed from its checkpoint learns exactly what the uninterrupted run learns: the same
 losses, gradient norms, per-update statistics and critic losses at every step, and the same
 final weights, with a critic (gae) and several updates per batch (2 epochs of 2 mini-batches,
 the ratio against the old policy). What makes it exact: the checkpoint keeps the policy and
 the critic with their optimizers, RNG and the stream's position; sampling is seeded per
 request (so fresh engines sample alike); the mini-batch shuffle is seeded by the step.
-(The asynchronous default, where an update lands inside a partial rollout by timing, keeps
-the same prompts: tests/test_async_loop.py.)"""
+(The overlapping schedule, where an update lands inside a partial rollout by timing, keeps
+the same prompts: tests/test_async_loop.py.) Strictly on-policy is what --rollout.schedule
+auto makes of the default threads (each side takes every core, so they take turns): the
+runs check that it chose sequential, said so, and kept the bound of 1 as given."""
 
 import subprocess
 import sys
@@ -22,7 +24,7 @@ FLAGS = ["--train.warmup-sft-steps", "0", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "0",
          "--eval.size", "0", "--logging.no-progress", "--logging.no-tensorboard",
          "--logging.no-plots", "--checkpoint.every", "2", "--checkpoint.keep", "1",
-         "--rollout.schedule", "sequential", "--algo.estimator", "gae", "--algo.epochs", "2",
+         "--algo.estimator", "gae", "--algo.epochs", "2",
          "--algo.mini-batches", "2", "--algo.is-mode", "clip"]
 
 
@@ -35,6 +37,7 @@ def start(root, name, *flags) -> subprocess.Popen:
 def finish(proc: subprocess.Popen) -> None:
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
+    assert "schedule: sequential" in out, out[-4000:]
 
 
 def test_a_resumed_run_learns_exactly_what_the_uninterrupted_one_does(tmp_path):
