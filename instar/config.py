@@ -27,6 +27,14 @@ def cores() -> int:
 
 
 
+SEQUENCES_PER_THREAD = 32
+"""--rollout.schedule auto on a CPU: with fewer of a step's sequences per engine thread,
+decoding is bound by vLLM's per-step work on one core, not by the model's compute, and the
+cores it leaves idle are better spent training beside it (overlap). Measured on 2 cores
+(benchmarks/schedule.py): 64 per thread (grpo-small, the default job) ran faster sequential,
+8 (long: 16 sequences of 1024 tokens) faster overlapping."""
+
+
 def estimator_names() -> Any:
     """The choices of --algo.estimator: the registry `ESTIMATORS` (instar/train/advantages.py),
     read when the flags are parsed, not at import: `instar` and the --help of commands without
@@ -146,8 +154,9 @@ class RolloutConfig:
     `max_staleness` versions behind; sequential: generate, then train, each phase with all
     the compute (every token on-policy, which meets any max_staleness). auto, decided at
     start-up (logged, and in config.yaml): sequential where engines and ranks would contend
-    for the same compute (colocated on GPUs, or colocated on a CPU with more threads than
-    cores: the default threads), else overlap."""
+    for the same compute, that is colocated on GPUs, or colocated on a CPU with more threads
+    than cores (the default threads) and at least 32 of a step's sequences per engine thread;
+    else overlap."""
     max_staleness: int = 1
     """How many weight versions a generated token may lag the policy it is trained with.
     0: strictly on-policy (generate, then train: no overlap); k > 0: episodes for the next k
@@ -442,7 +451,8 @@ class Config:
     def schedule_for(self, num_cores: int | None = None) -> tuple[str, str]:
         """What --rollout.schedule means on a machine of `num_cores` cores (default: this
         one's), and why: auto is sequential where engines and ranks would contend for the same
-        compute (colocated on GPUs, or colocated on a CPU with more threads than cores)."""
+        compute, that is colocated on GPUs, or colocated on a CPU with more threads than cores
+        and enough sequences a step to keep every engine thread busy (SEQUENCES_PER_THREAD)."""
         r, t = self.rollout, self.train
         if r.schedule != "auto":
             return r.schedule, "set by --rollout.schedule"
@@ -453,6 +463,10 @@ class Config:
         threads, n = r.num_engines * r.threads + t.num_ranks * t.threads_per_rank, num_cores or cores()
         if threads <= n:
             return "overlap", f"{threads} engine and rank threads fit in {n} cores"
+        per_thread = self.batch_size / (r.num_engines * r.threads)
+        if per_thread < SEQUENCES_PER_THREAD:  # decoding is bound by per-step overheads
+            return "overlap", (f"{threads} threads share {n} cores, but {per_thread:g} sequences "
+                               "per engine thread leave cores idle while generating")
         return "sequential", f"{threads} engine and rank threads share {n} cores"
 
     def _check_ranges(self, rl: bool) -> None:

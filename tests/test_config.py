@@ -332,6 +332,10 @@ def test_a_gpu_run_without_placement_flags_validates():
     (["--rollout.threads", "2", "--train.threads-per-rank", "1"], 16, "overlap"),  # 2 + 2 x 1
     (["--rollout.threads", "2", "--train.threads-per-rank", "1"], 2, "sequential"),
     (["--rollout.placement", "disaggregated"], 2, "overlap"),  # cores of their own
+    (["--rollout.threads", "2", "--data.prompts-per-step", "4", "--rollout.group-size", "4"], 2,
+     "overlap"),  # 8 sequences per engine thread: decoding leaves a core idle (bench's long)
+    (["--rollout.threads", "2", "--data.prompts-per-step", "8", "--rollout.group-size", "8"], 2,
+     "sequential"),  # 32 per thread
     (["--rollout.schedule", "overlap"], 2, "overlap"),  # asked for: kept
     (["--rollout.schedule", "sequential", "--rollout.threads", "1", "--train.num-ranks", "1",
       "--train.threads-per-rank", "1"], 64, "sequential"),

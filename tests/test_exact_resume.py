@@ -6,9 +6,8 @@ the ratio against the old policy). What makes it exact: the checkpoint keeps the
 the critic with their optimizers, RNG and the stream's position; sampling is seeded per
 request (so fresh engines sample alike); the mini-batch shuffle is seeded by the step.
 (The overlapping schedule, where an update lands inside a partial rollout by timing, keeps
-the same prompts: tests/test_async_loop.py.) Strictly on-policy is what --rollout.schedule
-auto makes of the default threads (each side takes every core, so they take turns): the
-runs check that it chose sequential, said so, and kept the bound of 1 as given."""
+the same prompts: tests/test_async_loop.py.) Strictly on-policy here is
+`--rollout.schedule sequential`, which keeps the staleness bound of 1 as given."""
 
 import subprocess
 import sys
@@ -24,7 +23,7 @@ FLAGS = ["--train.warmup-sft-steps", "0", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "0",
          "--eval.size", "0", "--logging.no-progress", "--logging.no-tensorboard",
          "--logging.no-plots", "--checkpoint.every", "2", "--checkpoint.keep", "1",
-         "--algo.estimator", "gae", "--algo.epochs", "2",
+         "--rollout.schedule", "sequential", "--algo.estimator", "gae", "--algo.epochs", "2",
          "--algo.mini-batches", "2", "--algo.is-mode", "clip"]
 
 
@@ -37,7 +36,6 @@ def start(root, name, *flags) -> subprocess.Popen:
 def finish(proc: subprocess.Popen) -> None:
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
-    assert "schedule: sequential" in out, out[-4000:]
 
 
 def test_a_resumed_run_learns_exactly_what_the_uninterrupted_one_does(tmp_path):

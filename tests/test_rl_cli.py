@@ -26,8 +26,7 @@ def test_instar_rl_end_to_end(tmp_path):
         [sys.executable, "-m", "instar.cli", "rl", "--train.steps", "5",
          "--train.warmup-sft-steps", "30", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "4",
-         "--rollout.schedule", "overlap", "--rollout.max-staleness", "2", "--eval.size", "4",
-         "--eval.every", "1",
+         "--rollout.max-staleness", "2", "--eval.size", "4", "--eval.every", "1",
          "--eval.samples", "2", "--logging.rollouts-every", "1", "--logging.root", str(tmp_path),
          "--logging.name", "run", "--logging.print-every", "2", "--algo.dynamic-filter",
          "--algo.max-resample", "2"],
@@ -46,7 +45,8 @@ def test_instar_rl_end_to_end(tmp_path):
                           f"  tensorboard tensorboard --logdir {tmp_path}"]
     recorded = yaml.safe_load((run / "config.yaml").read_text())
     assert recorded["train"]["steps"] == 5
-    assert recorded["rollout"]["schedule"] == "overlap"
+    # --rollout.schedule auto, decided at start-up: 6 sequences a step overlap (logged, recorded)
+    assert recorded["rollout"]["schedule"] == "overlap" and "schedule: overlap" in out.stdout
     metrics = step_lines(run)
     assert sorted(metrics) == [1, 2, 3, 4, 5]
     assert "invariants/abs_logprob_diff" in metrics[1]  # step 1's tokens all have lag 0
