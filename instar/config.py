@@ -26,7 +26,6 @@ def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-
 SEQUENCES_PER_THREAD = 32
 """--rollout.schedule auto on a CPU: with fewer of a step's sequences per engine thread,
 decoding is bound by vLLM's per-step work on one core, not by the model's compute, and the

@@ -20,11 +20,11 @@
                                                        the probe check of sync k runs on
                                                          the engines while step k+1 waits
 
-With max_staleness 0, or --rollout.schedule sequential (each phase then has all the cores),
-generation and training alternate (strictly on-policy); with S > 0 the groups of the next S
-steps are generated while the trainer trains. Before step 1 the
-preflight gate rescores fresh samples in the trainer; after every sync each engine's
-log-probs on a fixed probe sequence must match the trainer's before its tokens are used.
+With --rollout.schedule sequential (each phase then has all the cores) or max_staleness 0,
+generation and training alternate (strictly on-policy); overlapping with S > 0, the groups
+of the next S steps are generated while the trainer trains. Before step 1 the preflight
+gate rescores fresh samples in the trainer; after every sync each engine's log-probs on a
+fixed probe sequence must match the trainer's before its tokens are used.
 
 `run` reads top to bottom: `setup` (every resource it takes is released by one ExitStack,
 whatever raises), `begin` (resume, or eval and preflight), `train_step` for each step,
