@@ -49,7 +49,8 @@ def test_instar_rollout_runs_an_example_as_a_user_does(tool_model, ray_session, 
     check("calculator_anthropic", read_jsonl(run / "rollouts.jsonl"), summary["failed"])
 
 
-@pytest.mark.parametrize("name", ["calculator_env", "tool_use_openai", "compacting_agent"])
+@pytest.mark.parametrize("name", ["calculator_env", "tool_use_openai", "compacting_agent",
+                                  "calculator_responses"])
 def test_each_example_runs_on_the_shared_engine(name, tool_engine, tokenizer):
     rollouts = Rollouts(load_agent(str(EXAMPLES / f"{name}.py")), {}, [tool_engine], tokenizer,
                         model_name="tool_model", max_model_len=512, limits={})

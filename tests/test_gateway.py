@@ -1,4 +1,5 @@
-"""The gateway over HTTP with the official OpenAI and Anthropic SDKs, on the real engine.
+"""The gateway over HTTP with the official OpenAI (chat completions, Responses) and Anthropic
+SDKs, on the real engine.
 
 `tool_engine` serves the tiny model taught to call the calculator (see conftest), so tool calls in
 these conversations are real generations.
@@ -140,6 +141,82 @@ def test_anthropic_tool_round_trip_is_one_token_exact_segment(gateway, stream):
     assert len(captured.segments) == 1 and captured.turns == 2
     convo = [messages[0], {"role": "assistant", "content": ""}, {"role": "tool", "content": "5"}]
     assert_token_identity(gateway, captured.segments[0], convo, [CALCULATOR])
+
+
+RESPONSES_TOOL = {"type": "function", **CALCULATOR["function"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_tool_round_trip_is_one_token_exact_segment(gateway, stream):
+    """The stock SDK's `client.responses.create`; the agent sends its whole input each turn,
+    the output items back as they came."""
+    sid, base, _ = session(gateway)
+    client = openai.OpenAI(base_url=base, api_key=gateway.api_key)
+    items = [{"role": "user", "content": "What is 2+3?"}]
+
+    def ask():
+        kw = dict(model="tiny", input=items, tools=[RESPONSES_TOOL], store=False)
+        if not stream:
+            return client.responses.create(**kw)
+        events = list(client.responses.create(**kw, stream=True))
+        kinds = [e.type for e in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert kinds[-1] == "response.completed"
+        return events[-1].response
+
+    first = ask()
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1
+    assert (calls[0].name, json.loads(calls[0].arguments)) == ("calculator", {"expression": "2+3"})
+    items += [o.model_dump(exclude_none=True) for o in first.output]
+    items.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": "5"})
+    second = ask()
+    assert second.output_text == gateway.recorder.outputs[-1].text
+    assert second.usage.output_tokens == len(gateway.recorder.outputs[-1].token_ids)
+    captured = gateway.close_session(sid)
+    assert len(captured.segments) == 1 and captured.turns == 2
+    convo = [items[0], {"role": "assistant", "content": ""}, {"role": "tool", "content": "5"}]
+    assert_token_identity(gateway, captured.segments[0], convo, [CALCULATOR])
+
+
+def test_responses_previous_response_id_and_instructions(gateway):
+    """A turn that sends only what is new continues the stored response; instructions are a
+    system message before it; a response not stored cannot be continued."""
+    sid, base, _ = session(gateway)
+    client = openai.OpenAI(base_url=base, api_key=gateway.api_key, max_retries=0)
+    rules = "Use the calculator."
+    first = client.responses.create(model="tiny", instructions=rules, input="What is 2+3?",
+                                    tools=[RESPONSES_TOOL])
+    call = [o for o in first.output if o.type == "function_call"][0]
+    second = client.responses.create(
+        model="tiny", instructions=rules, previous_response_id=first.id, tools=[RESPONSES_TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "5"}],
+        store=False)
+    assert second.previous_response_id == first.id and second.instructions == rules
+    with pytest.raises(openai.BadRequestError, match="no stored response") as e:
+        client.responses.create(model="tiny", previous_response_id=second.id, input="more?")
+    assert e.value.code == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError, match="unsupported input item"):
+        client.responses.create(model="tiny", input=[{"type": "item_reference", "id": "x"}])
+    with pytest.raises(openai.BadRequestError, match="no built-in tools"):
+        client.responses.create(model="tiny", input="hi", tools=[{"type": "web_search"}])
+    captured = gateway.close_session(sid)
+    assert len(captured.segments) == 1 and captured.turns == 2
+    convo = [{"role": "system", "content": rules}, {"role": "user", "content": "What is 2+3?"},
+             {"role": "assistant", "content": ""}, {"role": "tool", "content": "5"}]
+    assert_token_identity(gateway, captured.segments[0], convo, [CALCULATOR])
+
+
+def test_models_are_listed_on_both_wires(gateway):
+    sid, oa_base, an_base = session(gateway)
+    models = openai.OpenAI(base_url=oa_base, api_key=gateway.api_key).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    models = anthropic.Anthropic(base_url=an_base, api_key=gateway.api_key).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=oa_base, api_key="wrong", max_retries=0).models.list()
+    gateway.close_session(sid)
 
 
 def test_compaction_seals_a_segment_with_the_reason(gateway):

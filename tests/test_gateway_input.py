@@ -19,6 +19,7 @@ from instar.rollout.engine import Generation
 MESSAGE = [{"role": "user", "content": "hi"}]
 OPENAI = {"messages": MESSAGE}
 ANTHROPIC = {"messages": MESSAGE, "max_tokens": 8}
+RESPONSES = {"input": "hi"}
 
 HOSTILE = {  # name -> (wire, body or raw bytes)
     "openai max_tokens true": ("openai", {**OPENAI, "max_tokens": True}),
@@ -56,6 +57,23 @@ HOSTILE = {  # name -> (wire, body or raw bytes)
     "an anthropic image to a text-only model": ("anthropic", {**ANTHROPIC, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}),
+    # the Responses wire
+    "responses: no input": ("responses", {"model": "m"}),
+    "responses: input a number": ("responses", {"input": 7}),
+    "responses: an unknown item": ("responses", {"input": [{"type": "item_reference", "id": "x"}]}),
+    "responses: a function_call without arguments": ("responses", {"input": [
+        {"type": "function_call", "call_id": "c", "name": "calculator"}]}),
+    "responses: a role it does not know": ("responses", {"input": [{"role": "tool",
+                                                                    "content": "x"}]}),
+    "responses: a built-in tool": ("responses", {**RESPONSES, "tools": [{"type": "web_search"}]}),
+    "responses: max_output_tokens 0": ("responses", {**RESPONSES, "max_output_tokens": 0}),
+    "responses: store a string": ("responses", {**RESPONSES, "store": "no"}),
+    "responses: temperature": ("responses", {**RESPONSES, "temperature": 0.3}),
+    "responses: reasoning effort": ("responses", {**RESPONSES, "reasoning": {"effort": "high"}}),
+    "responses: json output": ("responses", {**RESPONSES, "text": {"format": {"type": "json_object"}}}),
+    "responses: an include it cannot fill": ("responses", {**RESPONSES, "include": ["file_search_call.results"]}),
+    "responses: an unknown field": ("responses", {**RESPONSES, "background": True}),
+    "responses: a previous response never stored": ("responses", {**RESPONSES, "previous_response_id": "resp_x"}),
 }
 
 
@@ -79,13 +97,14 @@ def test_bad_requests_get_a_400_in_the_wires_shape_and_never_reach_the_engine(ga
     wire, body = HOSTILE[name]
     sid = gateway.open_session("r0", "g0", {"temperature": 1.0, "max_tokens": 8}, 4, 512)
     openai_url, anthropic_url = gateway.urls(sid)
-    url = f"{openai_url}/chat/completions" if wire == "openai" else f"{anthropic_url}/v1/messages"
+    url = {"openai": f"{openai_url}/chat/completions", "responses": f"{openai_url}/responses",
+           "anthropic": f"{anthropic_url}/v1/messages"}[wire]
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     reply = httpx.post(url, headers={"Authorization": f"Bearer {gateway.api_key}",
                                      "Content-Type": "application/json"}, timeout=30, **kwargs)
     assert reply.status_code == 400, reply.text
     error = reply.json()
-    if wire == "openai":
+    if wire in ("openai", "responses"):
         assert error["error"]["type"] == "invalid_request_error"
     else:
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"

@@ -1,7 +1,9 @@
 """The loopback gateway: OpenAI and Anthropic endpoints in front of the engine.
 
     agent (stock SDK) ──HTTP 127.0.0.1──> /s/<session>/v1/chat/completions   (OpenAI)
+                                          /s/<session>/v1/responses          (OpenAI Responses)
                                           /s/<session>/v1/messages           (Anthropic)
+                                          /s/<session>/v1/models             (GET, both)
                                                  │ wire.parse -> chat messages
                                                  ▼
                                  Session.plan: extend the recorded tokens or start a segment
@@ -33,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from instar.agents.images import IMAGE_TOKEN
 from instar.errors import EpisodeError, Requeue
+from instar.gateway.responses import ResponsesWire, response_id
 from instar.gateway.session import Session
 from instar.gateway.wire import AnthropicWire, OpenAIWire, WireError, bad_request, make_reply
 
@@ -59,7 +62,9 @@ class Gateway:
         self.app = FastAPI(title="instar gateway", docs_url=None, redoc_url=None,
                            openapi_url=None)  # (they would answer without the key)
         self.app.post("/s/{sid}/v1/chat/completions")(self._route(OpenAIWire))
+        self.app.post("/s/{sid}/v1/responses")(self._route(ResponsesWire))
         self.app.post("/s/{sid}/v1/messages")(self._route(AnthropicWire))
+        self.app.get("/s/{sid}/v1/models")(self._models)
         self.app.exception_handler(StarletteHTTPException)(self._http_error)
         self.server: uvicorn.Server | None = None
 
@@ -153,7 +158,7 @@ class Gateway:
             raise bad_request("the request body must be a JSON object")
         try:
             req = wire.parse(body, self.vision)
-            chars = _text_chars([req.messages, req.tools])
+            chars = _text_chars([req.messages, req.tools, req.instructions])
         except WireError:
             raise
         except Exception as e:  # a field of an unexpected type
@@ -221,6 +226,14 @@ class Gateway:
         req = await asyncio.to_thread(self._parse, wire, await self._body(request), room)
         self._check_sampling(req, session.sampling)
         async with self.locks.setdefault(sid, asyncio.Lock()):
+            if req.previous is not None:  # (Responses) a stored conversation, continued
+                if req.previous not in session.responses:
+                    raise bad_request(f"no stored response {req.previous!r:.60} in this episode",
+                                      "previous_response_not_found")
+                req.messages = session.responses[req.previous] + req.messages
+            conversation = req.messages
+            if req.instructions:
+                req.messages = [{"role": "system", "content": req.instructions}, *req.messages]
             options = [req.max_tokens, req.stop, req.parse_tools, req.seed, req.logprobs]
             try:  # (rendering and tokenising, off the event loop)
                 turn = await asyncio.to_thread(session.plan, req.messages, req.tools, options)
@@ -248,14 +261,35 @@ class Gateway:
                 reply = make_reply(gen, req, len(turn.prompt_ids), self.tokenizer)
                 body = self._render(wire, reply, req)  # before recording: all or nothing
                 session.record(turn, req.messages, req.tools, gen, reply.message, reply)
+                if req.store:
+                    session.responses[response_id(reply)] = [*conversation, reply.message]
                 return body
         return self._render(wire, reply, req)
 
     def _render(self, wire, reply, req):
         if req.stream:
-            chunks = list(wire.stream(reply, self.model, req.include_usage))
+            chunks = list(wire.stream(reply, self.model, req))
             return StreamingResponse(iter(chunks), media_type="text/event-stream")
-        return JSONResponse(wire.response(reply, self.model))
+        return JSONResponse(wire.response(reply, self.model, req))
+
+    async def _models(self, sid: str, request: Request):
+        """The one model this gateway serves, as OpenAI lists models (Anthropic's list when
+        the request carries the anthropic-version header its SDK sends)."""
+        anthropic = "anthropic-version" in request.headers
+        wire = AnthropicWire if anthropic else OpenAIWire
+        try:
+            self._check_key(request)
+            if sid not in self.sessions:
+                raise WireError(404, "not_found_error", "unknown session", "session_not_found")
+        except WireError as e:
+            return JSONResponse(wire.error(e), status_code=e.status)
+        if anthropic:
+            return JSONResponse({"data": [{"type": "model", "id": self.model, "display_name":
+                                           self.model, "created_at": "1970-01-01T00:00:00Z"}],
+                                 "has_more": False, "first_id": self.model,
+                                 "last_id": self.model})
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "instar"}]})
 
 
 def _text_chars(x) -> int:

@@ -75,6 +75,9 @@ class Session:
         self.ended_with_eos, self.finish_reason, self.turns = True, "stop", 0
         self.tool_call_errors = 0
         """Tool calls the model began that did not parse, over the episode's turns."""
+        self.responses: dict[str, list[dict]] = {}
+        """Responses wire: each stored response's conversation (instructions left out), for
+        a later previous_response_id."""
 
     def plan(self, messages: list[Message], tools: list[dict] | None, options: Any = None) -> Turn:
         """`options`: the request's other fields that shape the reply (max_tokens, stop): a

@@ -1,4 +1,5 @@
-"""The two wires the gateway speaks: OpenAI chat completions and Anthropic messages.
+"""The wires the gateway speaks: OpenAI chat completions and Anthropic messages (and the
+OpenAI Responses API, instar/gateway/responses.py, built from the same parts).
 
 Each wire turns a request body into chat messages + tools + options (`parse`), a generation
 into the wire's response (`response`) or event stream (`stream`), and a refusal into the
@@ -46,6 +47,14 @@ class Request:
     include_usage: bool = False
     seed: int | None = None
     logprobs: bool = False
+    instructions: str | None = None
+    """Responses: a system message put before `messages` (and before a stored conversation)."""
+    previous: str | None = None
+    """Responses: the stored response that `messages` continue (previous_response_id)."""
+    store: bool = False
+    """Responses: keep this response for a later request's previous_response_id."""
+    echo: dict[str, Any] = field(default_factory=dict)
+    """Responses: request fields the response repeats."""
 
 
 @dataclass
@@ -62,6 +71,8 @@ class Reply:
     logprobs: list[tuple[str, float]] | None = None
     """(token text, log-prob) of each generated token, when the request asked for them."""
     reasoning: str | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """What the wire's response id is made from (a retry is answered with the same one)."""
 
     @property
     def message(self) -> dict:
@@ -252,21 +263,21 @@ class OpenAIWire:
             for t, lp in reply.logprobs]}
 
     @classmethod
-    def response(cls, reply: Reply, model: str) -> dict:
+    def response(cls, reply: Reply, model: str, req: Request) -> dict:
         message = {"role": "assistant", "content": reply.text or None}
         if reply.reasoning is not None:
             message["reasoning_content"] = reply.reasoning
         if reply.calls:
             message["tool_calls"] = cls._calls(reply)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+        return {"id": f"chatcmpl-{reply.id}", "object": "chat.completion",
                 "created": int(time.time()), "model": model,
                 "choices": [{"index": 0, "message": message, "finish_reason": reply.finish,
                              "logprobs": cls._logprobs(reply)}],
                 "usage": cls._usage(reply)}
 
     @classmethod
-    def stream(cls, reply: Reply, model: str, include_usage: bool):
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+    def stream(cls, reply: Reply, model: str, req: Request):
+        head = {"id": f"chatcmpl-{reply.id}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": model}
         chunk = lambda delta, finish=None, logprobs=None: {**head, "choices": [  # noqa: E731
             {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
@@ -278,7 +289,7 @@ class OpenAIWire:
         for i, call in enumerate(cls._calls(reply)):
             yield sse(chunk({"tool_calls": [{"index": i, **call}]}))
         yield sse(chunk({}, reply.finish))
-        if include_usage:
+        if req.include_usage:
             yield sse({**head, "choices": [], "usage": cls._usage(reply)})
         yield sse("[DONE]")
 
@@ -395,15 +406,15 @@ class AnthropicWire:
             reply.finish, "stop_sequence" if reply.stop else "end_turn")
 
     @classmethod
-    def response(cls, reply: Reply, model: str) -> dict:
-        return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+    def response(cls, reply: Reply, model: str, req: Request | None = None) -> dict:
+        return {"id": f"msg_{reply.id}", "type": "message", "role": "assistant",
                 "model": model, "content": cls._blocks(reply),
                 "stop_reason": cls._stop_reason(reply), "stop_sequence": reply.stop,
                 "usage": {"input_tokens": reply.prompt_tokens,
                           "output_tokens": reply.completion_tokens}}
 
     @classmethod
-    def stream(cls, reply: Reply, model: str, include_usage: bool):
+    def stream(cls, reply: Reply, model: str, req: Request):
         msg = cls.response(reply, model)
         yield sse({"type": "message_start", "message": {
             **msg, "content": [], "stop_reason": None, "stop_sequence": None,
