@@ -16,6 +16,7 @@ import tyro
 import yaml
 
 from instar.config import Config, load_yaml
+from instar.errors import LayoutError
 from instar.processes import Preempted, command
 
 
@@ -64,12 +65,14 @@ DEBUG = False
 
 
 @contextmanager
-def checks(command: str) -> Iterator[None]:
+def checks(command: str, kinds: tuple = (ValueError, TypeError, OSError, LayoutError)
+           ) -> Iterator[None]:
     """What the run is given (config, model, data, agent) is checked before anything starts;
-    a bad input is one line on stderr and exit code 2, with no traceback unless --debug."""
+    a bad input (an exception of `kinds`) is one line on stderr and exit code 2, with no
+    traceback unless --debug."""
     try:
         yield
-    except (ValueError, TypeError, OSError) as e:
+    except kinds as e:
         if DEBUG:
             raise
         print(f"instar {command}: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -114,7 +117,8 @@ def rl(argv: list[str]) -> None:
 
     with checks("rl"):
         inputs = run_inputs(cfg)
-    summary = run(cfg, inputs)
+    with checks("rl", (LayoutError,)):  # (a cluster too small for the layout)
+        summary = run(cfg, inputs)
     print_summary(summary)
 
 
@@ -144,7 +148,8 @@ def eval_(argv: list[str]) -> None:
         inputs = run_inputs(cfg)
         if not inputs.eval_tasks:
             raise ValueError("instar eval needs held-out tasks: --data.eval FILE and --eval.size > 0")
-    result = evaluate_model(cfg, inputs)
+    with checks("eval", (LayoutError,)):
+        result = evaluate_model(cfg, inputs)
     if result["failed"] and sum(result["failed"].values()) == result["tasks"] * cfg.eval.samples:
         sys.exit(f"instar eval: every episode failed: {result['failed']}")
 
@@ -158,7 +163,8 @@ def rollout(argv: list[str]) -> None:
 
     with checks("rollout"):
         inputs = run_inputs(cfg)
-    summary = rollout(cfg, inputs)
+    with checks("rollout", (LayoutError,)):
+        summary = rollout(cfg, inputs)
     if summary["failed"] and not summary["episodes"]:
         sys.exit(f"instar rollout: every episode failed: {summary['failed']}")
 
@@ -174,7 +180,8 @@ def serve(argv: list[str]) -> None:
     with checks("serve"):
         path = model_path(cfg)
         check_parsers(cfg.model.tool_parser, cfg.model.reasoning_parser)
-    serve(cfg, path)
+    with checks("serve", (LayoutError,)):
+        serve(cfg, path)
 
 
 def print_summary(s: dict) -> None:

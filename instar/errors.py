@@ -15,3 +15,8 @@ class EpisodeError(Exception):
 class Requeue(Exception):
     """The infrastructure stopped the episode (a weight update with partial rollout off, an
     engine that died): it starts again from the beginning and is not a failure."""
+
+
+class LayoutError(RuntimeError):
+    """The Ray cluster cannot hold the engines and ranks the flags ask for; the message names
+    the flags to change (the commands print it as one line and exit with code 2)."""

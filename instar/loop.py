@@ -152,9 +152,6 @@ def setup(cfg: Config, inputs: Inputs, stack: ExitStack) -> Run:
     """Everything the run needs, each part released by `stack` whatever happens later."""
     # absolute paths: Ray workers of a joined cluster do not run in this directory
     run_dir = Path(cfg.logging.root).absolute() / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    console.log(f"run directory {run_dir}")
     stack.enter_context(ray_for(cfg.cluster.ray_address))
     model = inputs.model_path
     if cfg.train.warmup_sft_steps:
@@ -165,6 +162,9 @@ def setup(cfg: Config, inputs: Inputs, stack: ExitStack) -> Run:
                                    cfg.cluster.trainer_resource, tensor_parallel=r.tensor_parallel,
                                    one_host=r.transport == "file")
     stack.callback(release, ray.util.remove_placement_group, pg)
+    run_dir.mkdir(parents=True, exist_ok=True)  # (once the cluster holds the layout)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    console.log(f"run directory {run_dir}")
     trainer = Trainer(cfg, str(model), rank_at)
     stack.callback(release, trainer.shutdown)
     moe = getattr(AutoConfig.from_pretrained(model), "num_experts", 0) > 0

@@ -21,6 +21,8 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from instar.errors import LayoutError
+
 
 def check_engine_gpus(tensor_parallel: int, nodes: list[dict], resource: str = "") -> None:
     """Refuse engines of `tensor_parallel` GPUs when no node has that many (a bundle is never
@@ -29,7 +31,7 @@ def check_engine_gpus(tensor_parallel: int, nodes: list[dict], resource: str = "
     gpus = [n["Resources"].get("GPU", 0) for n in nodes if n.get("Alive", True)
             and (not resource or n["Resources"].get(resource, 0) > 0)]
     if tensor_parallel > max(gpus, default=0):
-        raise RuntimeError(
+        raise LayoutError(
             f"--rollout.tensor-parallel {tensor_parallel}: an engine needs {tensor_parallel} GPUs "
             f"on one node, but the most any{f' {resource!r}' if resource else ''} node of the "
             f"Ray cluster has is {max(gpus, default=0):g}; lower --rollout.tensor-parallel")
@@ -43,7 +45,7 @@ def check_gpu_count(bundles: list[dict], nodes: list[dict], mode: str) -> None:
     if need > have:
         count = ("max(--rollout.num-engines, --train.num-ranks)" if mode == "colocated" else
                  "--rollout.num-engines x --rollout.tensor-parallel + --train.num-ranks")
-        raise RuntimeError(f"{mode} engines and trainer ranks need {need:g} GPUs ({count}), but "
+        raise LayoutError(f"{mode} engines and trainer ranks need {need:g} GPUs ({count}), but "
                            f"the Ray cluster has {have:g}: lower --rollout.num-engines or "
                            f"--train.num-ranks")
 
@@ -75,7 +77,7 @@ def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus:
     pg = placement_group(bundles, strategy="PACK")
     if not pg.wait(timeout_s):
         ray.util.remove_placement_group(pg)
-        raise RuntimeError(
+        raise LayoutError(
             f"Ray cannot place {mode} bundles {bundles} (available: {ray.available_resources()});"
             " lower --rollout.threads / --train.threads-per-rank, use fewer engines or ranks, "
             "--rollout.placement colocated, or give nodes the resources named by "
@@ -84,7 +86,7 @@ def place(mode: str, device: str, num_engines: int, num_ranks: int, engine_cpus:
     used = {hosts[node] for node in placement_group_table(pg)["bundles_to_node_id"].values()}
     if one_host and len(used) > 1:
         ray.util.remove_placement_group(pg)
-        raise RuntimeError(f"engines and ranks were placed on hosts {sorted(used)}, but "
+        raise LayoutError(f"engines and ranks were placed on hosts {sorted(used)}, but "
                            "--rollout.transport file passes weights through one host's "
                            "/dev/shm; on GPUs use --rollout.transport nccl")
     share = 0.5 if mode == "colocated" and gpu else (1 if gpu else 0)

@@ -53,3 +53,23 @@ def test_place_refuses_before_waiting(ray_session):
     """On this CPU-only Ray (no GPU at all) at once, not after the placement group's timeout."""
     with pytest.raises(RuntimeError, match="--rollout.tensor-parallel 2: .* has is 0"):
         place("disaggregated", "cuda", 1, 1, 0, 0, tensor_parallel=2, timeout_s=600)
+
+
+@pytest.mark.stack
+def test_the_plain_gpu_command_on_a_cluster_without_gpus_is_one_line(ray_session, tiny_model,
+                                                                      tmp_path, monkeypatch,
+                                                                      capsys):
+    """`instar rl --cluster.device cuda` where the cluster has no GPU: `instar rl: error: ...`
+    naming the flags, exit code 2, and no run directory left."""
+    from instar.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("instar.cli.DEBUG", False)
+    with pytest.raises(SystemExit) as e:
+        main(["rl", "--cluster.device", "cuda", "--model.path", str(tiny_model),
+              "--logging.root", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("instar rl: error: colocated engines and trainer ranks need 2 GPUs")
+    assert "lower --rollout.num-engines or --train.num-ranks" in err[0]
+    assert not (tmp_path / "runs").exists()
