@@ -70,6 +70,7 @@ def step_times(workload: str, max_staleness: int) -> tuple[list[dict], dict]:
     cfg.data.prompts_per_step, cfg.rollout.group_size = tasks, samples
     cfg.rollout.max_tokens, cfg.rollout.ignore_eos = max_tokens, fixed
     cfg.rollout.max_staleness = max_staleness
+    cfg.rollout.schedule = "overlap"  # (staleness 0: generate, then train; 1: overlapped)
     cfg.eval.size, cfg.rollout.preflight, cfg.checkpoint.save_final = 0, 0, False
     cfg.logging.progress, cfg.logging.plots, cfg.logging.tensorboard = False, False, False
     cfg.logging.root, cfg.logging.name = tempfile.mkdtemp(), f"async-{max_staleness}"

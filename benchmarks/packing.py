@@ -3,9 +3,9 @@
 128 sequences on the small built-in model (float32): prompts of 12-17 tokens, 70% of replies
 cut at 128 tokens, the rest of 5-127 (as bench.py's grpo-small samples them before it learns).
 One policy-gradient step (`Trainer.step`) for each of:
-  - packing: instar's (`batch.shard`: the split with the fewest padded tokens plus a cost per
-    micro-batch) against filling micro-batches in order up to the budget (instar's packing
-    before 2026-12-06, kept here as the baseline);
+  - packing: instar's (`batch.shard`: the fewest micro-batches, then the fewest padded
+    tokens) against filling micro-batches in order up to the budget (instar's packing before
+    2026-12-06, kept here as the baseline);
   - 2 ranks x 1 thread and 1 rank x 2 threads; budgets of 8192 and 2048 tokens.
 Four steps each, the first not counted; written to benchmarks/results/packing.json.
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from instar.config import AlgoConfig
-from instar.train.batch import MICRO_BATCH_COST, Sequence, pack, shard
+from instar.train.batch import Sequence, pack, shard
 from instar.train.losses import (
     adaptive_kl,
     cispo_loss,
@@ -92,17 +92,16 @@ def test_shard_gives_every_rank_the_same_number_of_micro_batches():
     assert [[len(s.tokens) for s in mb] for mb in shard(seqs, 1, 4)[0]] == [[1, 1], [3], [9]]
 
 
-def test_pack_trades_padding_against_micro_batches():
+def test_pack_takes_the_fewest_micro_batches_then_the_least_padding():
     def lengths(ns, budget):
         seqs = [Sequence([0] * n, [True] * n, [0.0] * n) for n in ns]
         return [[len(s.tokens) for s in mb] for mb in pack(seqs, budget)]
     # filling up to the budget in order would give [10, 10, 10, 100] and [100]: 500 padded
     # tokens; the split below pads 230 in the same number of micro-batches
     assert lengths([10, 10, 10, 100, 100], 400) == [[10, 10, 10], [100, 100]]
-    # one more micro-batch is worth MICRO_BATCH_COST padded tokens, not fewer
-    assert lengths([1, 2], 10_000) == [[1, 2]]
-    n = MICRO_BATCH_COST + 2
-    assert lengths([1] * 2 + [n], 10_000) == [[1, 1], [n]]  # padding 2 * (n - 1) > the cost
+    # what fits in one micro-batch stays in one, however much it pads
+    assert lengths([1, 1, 300], 10_000) == [[1, 1, 300]]
+    assert lengths([1, 9, 1], 9) == [[1], [9], [1]]  # in order: the two 1s are not put together
     assert lengths([], 4) == [[]]
 
 

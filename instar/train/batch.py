@@ -38,26 +38,22 @@ EMPTY = Sequence([0, 0], [False, False], *[[0.0, 0.0]] * len(PER_TOKEN))
 """Stands in for a rank's empty micro-batch: keeps collectives in step, adds no loss."""
 
 
-MICRO_BATCH_COST = 256
-"""What one more micro-batch costs, in padded tokens: its fixed per-call work. Splitting a
-rank's sequences trades it against padding (on 2 CPU cores, the small model's training step
-was fastest between 256 and 1024; 0, one sequence per micro-batch, was 25% slower)."""
-
-
 def pack(seqs: list[Sequence], budget: int) -> list[list[Sequence]]:
     """Split `seqs`, in order, into consecutive micro-batches of at most `budget` padded tokens
-    (a longer sequence goes alone) that cost the least: padded tokens plus MICRO_BATCH_COST
-    each. best[j] is the cheapest split of the first j sequences; the last micro-batch of that
-    split starts at start[j]."""
-    best, start = [0] + [float("inf")] * len(seqs), [0] * (len(seqs) + 1)
+    (a longer sequence goes alone): the fewest micro-batches (each has a fixed cost, large for
+    a small model), and among those the split with the fewest padded tokens. best[j] is the
+    (micro-batches, padded tokens) of the best split of the first j sequences; its last
+    micro-batch starts at start[j]."""
+    best, start = [(0, 0)] + [(len(seqs) + 1, 0)] * len(seqs), [0] * (len(seqs) + 1)
     for j in range(1, len(seqs) + 1):
         longest = 0
         for i in range(j - 1, -1, -1):  # the last micro-batch is seqs[i:j]
             longest = max(longest, len(seqs[i].tokens))
             if longest * (j - i) > budget and i < j - 1:
                 break  # a longer micro-batch only pads more
-            if best[i] + longest * (j - i) + MICRO_BATCH_COST < best[j]:
-                best[j], start[j] = best[i] + longest * (j - i) + MICRO_BATCH_COST, i
+            cost = (best[i][0] + 1, best[i][1] + longest * (j - i))
+            if cost < best[j]:
+                best[j], start[j] = cost, i
     batches, j = [], len(seqs)
     while j:
         batches.append(seqs[start[j]:j])
