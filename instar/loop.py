@@ -293,7 +293,7 @@ def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], c
           for q, r in zip(seqs, ref)] if "reference" in others and a.kl_in_reward else None
     penalty = kl and [[a.kl_coef * k for k in ks] for ks in kl]
     adv, returns = sample_advantages(samples, a, scores, penalty, cfg.rollout.max_tokens)
-    old = trainer.score(seqs, temperature) if a.is_mode != "off" and E * M > 1 else none
+    old = trainer.score(seqs, temperature) if E * M > 1 else none  # the weights before the first update
     seqs = [replace(q, advantages=ad, ref_logprobs=rf, old_logprobs=o, returns=rt, old_values=v)
             for q, ad, rf, o, rt, v in zip(seqs, adv, ref, old, returns or none,
                                            scores.get("values", none))]

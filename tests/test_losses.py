@@ -277,6 +277,15 @@ def test_several_updates_clip_against_the_old_policy_and_weight_old_over_behavio
         grads.append((loss.item(), logp.grad.clone(), stats))
     assert grads[0][0] == grads[1][0] and torch.equal(grads[0][1], grads[1][1])
     assert grads[0][2] == grads[1][2] and grads[0][2]["approx_kl"] == 0.0
+    # correction off: the ratio is still against the old policy, unweighted; only a single
+    # update (no old log-probs scored) takes the engine's log-probs as its denominator
+    off = AlgoConfig(clip_low=0.2, clip_high=0.2)
+    loss, stats = policy_loss(logp, torch.zeros(1, 3), b, off, num_tokens=3, num_seqs=1)
+    assert math.isclose(loss.item(), -(1.0 + 1.2 + 1.2) / 3, rel_tol=1e-6)
+    assert "is_filtered" not in stats
+    loss, stats = policy_loss(logp, torch.zeros(1, 3), single, off, num_tokens=3, num_seqs=1)
+    r = [1.0, math.exp(0.5), math.exp(-0.5)]  # now / behaviour: clipped at 1.2 and 0.8
+    assert math.isclose(loss.item(), -(1.0 + 1.2 + r[2]) / 3, rel_tol=1e-6)
 
 
 def test_stats_combine_by_summing_shares_and_keeping_extremes():

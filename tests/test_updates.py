@@ -64,10 +64,11 @@ def test_epochs_of_shuffled_mini_batches_against_the_old_policy_scored_once():
     again = Recorder()
     learn(samples, again, {}, config(epochs=2, mini_batches=2, is_mode="clip"), 3)
     assert [[q.tokens for q in s] for _, s in again.calls] == [[q.tokens for q in s] for _, s in trainer.calls]
-    # without off-policy correction the ratio is against the engine's log-probs: no scoring
+    # without off-policy correction too: the ratio is against the old policy, scored once
     plain = Recorder()
     learn(samples, plain, {}, config(epochs=2, mini_batches=2), 3)
-    assert [k for k, _ in plain.calls] == ["step"] * 4
+    assert [k for k, _ in plain.calls] == ["score"] + ["step"] * 4
+    assert all(q.old_logprobs == [-0.25] * len(q.tokens) for _, p in plain.calls[1:] for q in p)
 
 
 def test_truncated_episodes_leave_the_loss_but_stay_in_the_baseline():

@@ -167,10 +167,11 @@ def policy_loss(logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, b: dict[str
     """The RL loss `a` (an AlgoConfig) describes, on one micro-batch `b` (see Rank._batch), as
     this micro-batch's share of the update's scalar:
 
-      1. the policy loss per token, its ratio against the old log-probs: the engine's
-         (behaviour) when off-policy correction is off; with it on, the trainer's own before
-         the step's first update: scored before it when a step makes several updates
-         (`b["old_logprobs"]`), else this forward's, detached (the weights before the update);
+      1. the policy loss per token, its ratio against the old log-probs: the trainer's own
+         before the step's first update, scored before it when a step makes several updates
+         (`b["old_logprobs"]`); with one update, this forward's, detached, when off-policy
+         correction is on, else the engine's (behaviour: the ratio then measures how far
+         the policy has moved from the weights that sampled);
       2. off-policy correction (decoupled PPO): times importance weights old / behaviour;
       3. an entropy bonus, and the KL to a reference model as a loss term, if asked for;
       4. aggregated over tokens or sequences of the whole update.
@@ -180,7 +181,7 @@ def policy_loss(logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, b: dict[str
     """
     mask_BT, behaviour_BT, m = b["mask"], b["behaviour_logprobs"], b["mask"].bool()
     corrected = a.is_mode != "off"
-    old_BT = b.get("old_logprobs", logprobs_BT.detach()) if corrected else behaviour_BT
+    old_BT = b.get("old_logprobs", logprobs_BT.detach() if corrected else behaviour_BT)
     extra = {"dual_clip": a.dual_clip} if a.policy_loss == "ppo" else {}
     loss_BT, clipped_BT = POLICY_LOSSES[a.policy_loss](logprobs_BT, old_BT, b["advantages"],
                                                        mask_BT, a.clip_low, a.clip_high, **extra)
