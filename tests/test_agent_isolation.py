@@ -182,7 +182,17 @@ TASKS = [Task(prompt=f"task {i}", id=str(i)) for i in range(2)]
 def test_normal_episodes_and_their_judge_work_and_agent_errors_cost_one_rollout(tokenizer):
     batch, runner = rollouts(Judged, tokenizer, TASKS, "judged", n=2, judge="policy")
     assert [s.reward for s in batch.samples] == [0.7] * 4 and runner.judge.calls == 4
-    assert not batch.failed and all_ended("judged")  # each episode's thread ends with it
+    assert not batch.failed and all_ended("judged")  # no thread keeps an episode's name
+    # threads whose episodes ended cleanly wait for the next ones: no new thread is started
+    deadline, idle = time.monotonic() + 10, env_loop.AgentThread.idle
+    while len(idle) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pooled = set(map(id, idle))
+    batch, _ = rollouts(Judged, tokenizer, TASKS, "again", n=2, judge="policy")
+    assert [s.reward for s in batch.samples] == [0.7] * 4 and all_ended("again")
+    while len(idle) < len(pooled) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert set(map(id, idle)) == pooled
     for agent_cls, error in [(Crashes, "ValueError: bad markup"), (Cancels, "CancelledError")]:
         batch, _ = rollouts(agent_cls, tokenizer, TASKS, agent_cls.__name__)
         assert dict(batch.failed) == {"agent_error": 2}

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 CANCEL_GRACE_S = 5.0
 """Seconds agent code left running after its episode (a timeout, tasks it started) has to
 finish once cancelled, before its event loop stops for good."""
+MAX_IDLE_THREADS = 512
+"""Agent threads kept for later episodes (a rollout runs at most 256 per engine at once)."""
 
 
 class Generated(Protocol):
@@ -69,12 +71,28 @@ class AgentThread:
     deadline the episode is abandoned. Python cannot kill a thread: a blocked one runs on
     until its call returns; then its tasks are cancelled and its loop stops (after
     CANCEL_GRACE_S for tasks that ignore cancellation). Needs only threads, so it works in
-    any process with an event loop.
+    any process with an event loop. A thread whose episode ended cleanly (nothing of the
+    agent's left running on its loop) waits, renamed "agent (idle)", for the next episode:
+    starting a thread and a loop per episode cost about 1.3 ms, most of a small model's turn.
     """
+
+    idle: list["AgentThread"] = []
+    lock = threading.Lock()
 
     def __init__(self, name: str):
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self._main, name=name, daemon=True).start()
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def start(cls, name: str) -> "AgentThread":
+        """An idle thread, renamed `name`, or a new one."""
+        with cls.lock:
+            agent = cls.idle.pop() if cls.idle else None
+        if agent is None:
+            return cls(name)
+        agent.thread.name = name
+        return agent
 
     def _main(self) -> None:
         self.loop.run_forever()  # until close()
@@ -97,8 +115,17 @@ class AgentThread:
             raise EpisodeError("agent_error", f"{type(e).__name__}: {e}") from e
 
     def close(self) -> None:
-        """The episode is over (or abandoned): stop the loop once it is free."""
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """The episode is over (or abandoned): once the loop is free, it waits for the next
+        episode if the agent left nothing running on it, else it stops."""
+        self.loop.call_soon_threadsafe(self._release)
+
+    def _release(self) -> None:  # (on the agent's loop)
+        with AgentThread.lock:
+            if not asyncio.all_tasks(self.loop) and len(AgentThread.idle) < MAX_IDLE_THREADS:
+                self.thread.name = "agent (idle)"
+                AgentThread.idle.append(self)
+                return
+        self.loop.stop()
 
 
 async def _step(env: Env, gen: Generated):  # (parse_tool_calls, overridable, is agent code too)
@@ -177,7 +204,7 @@ async def run_env_episode(env: Env, task: Task, generate: Generate, tokenizer,
     Errors of `generate` (the engine) propagate unchanged: they are not the agent's. The
     deadline holds even while `step` blocks its thread: see `AgentThread`.
     """
-    agent = AgentThread(f"agent {rollout_id}")
+    agent = AgentThread.start(f"agent {rollout_id}")
     try:
         ep = await asyncio.wait_for(
             _episode(env, task, generate, tokenizer, sampling, agent.call), timeout=env.timeout_s)

@@ -20,7 +20,7 @@ async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, sampl
     openai_url, anthropic_url = gateway.urls(sid)
     ctx = ChatContext(task=task, openai_base_url=openai_url, anthropic_base_url=anthropic_url,
                       api_key=gateway.api_key, model=gateway.model, sampling=dict(sampling))
-    thread = AgentThread(f"agent {rollout_id}")
+    thread = AgentThread.start(f"agent {rollout_id}")
     try:
         result = await asyncio.wait_for(thread.call(agent.run, ctx), agent.timeout_s)
         reward, info = result.reward, result.info
