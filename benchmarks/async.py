@@ -33,7 +33,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import instar.metrics
+from instar import metrics
 from instar.cli import main as instar
 from instar.config import Config
 
@@ -74,19 +74,19 @@ def step_times(workload: str, max_staleness: int) -> tuple[list[dict], dict]:
     cfg.eval.size, cfg.rollout.preflight, cfg.checkpoint.save_final = 0, 0, False
     cfg.logging.progress, cfg.logging.plots, cfg.logging.tensorboard = False, False, False
     cfg.logging.root, cfg.logging.name = tempfile.mkdtemp(), f"async-{max_staleness}"
-    marks, log = {}, instar.metrics.RunLog.log
+    marks, log = {}, metrics.RunLog.log
 
     def log_and_mark(self, m, step):  # CPU counters at the first and last measured step
         if "rollout/reward" in m and step in (warmup, steps):
             marks[step] = cpu_seconds()
         return log(self, m, step)
-    instar.metrics.RunLog.log = log_and_mark
+    metrics.RunLog.log = log_and_mark
     recipe = Path(cfg.logging.root) / "recipe.yaml"
     recipe.write_text(cfg.to_yaml())
     try:
         instar(["rl", "--config", str(recipe)])  # in this process: its CPU time is the driver's
     finally:
-        instar.metrics.RunLog.log = log
+        metrics.RunLog.log = log
     lines = (Path(cfg.logging.root) / cfg.logging.name / "metrics.jsonl").read_text()
     cpu = {k: round((marks[steps][k] - marks[warmup][k]) / (steps - warmup), 3)
            for k in marks[steps]}
