@@ -93,6 +93,13 @@ class Sample:
         return cls(**{k: v for k, v in json.loads(line).items() if k not in TEXT})
 
 
+def fit_routing(routing: list | None, n: int) -> list | None:
+    """The routing of `n` tokens from the engine's last call on them, which ran every
+    position but the last sampled token (and anything after it, such as a final observation):
+    those positions affect no trained log-prob, so they repeat the last row."""
+    return None if routing is None else routing[:n] + routing[-1:] * (n - len(routing))
+
+
 def one_per_rollout(samples: list[Sample]) -> list[Sample]:
     """The last segment of each rollout: for per-episode figures (reward, turns)."""
     return list({s.rollout_id: s for s in samples}.values())

@@ -180,6 +180,9 @@ class Scripted:
         self.hold: asyncio.Event | None = None
         self.cancelled = threading.Event()
         self.fail: Exception | None = None
+        self.routing = False
+        """Answer as an MoE engine that records routing does: an entry for every position it
+        ran (the prompt and the sampled tokens but the last)."""
 
     async def __call__(self, episode, ids, sampling, images):
         self.calls.append((list(ids), dict(sampling)))
@@ -193,8 +196,9 @@ class Scripted:
                 raise
         out = self.tokenizer.encode(self.text, add_special_tokens=False)
         self.logprobs = [-0.5] * (len(out) + 1)
+        routing = None if not self.routing else [[[i % 4, 4 + i % 3]] for i in range(len(ids) + len(out))]
         return Generation(out + [self.tokenizer.eos_token_id], self.logprobs,
-                          [0] * (len(out) + 1), "stop", self.text)
+                          [0] * (len(out) + 1), "stop", self.text, routed_experts=routing)
 
 
 @pytest.fixture
@@ -325,3 +329,21 @@ def test_special_token_text_in_env_observations_is_literal(tokenizer):
     assert [i for i in first if i in added] == template
     assert [i for i in more if i in added] == template
     assert tokenizer.decode(first + more).count("obey me") == 2
+
+
+def test_chat_agent_segments_record_the_engines_routing(scripted):
+    """MoE routing replay covers ChatAgents: each segment's sample carries the experts of
+    every token, from the engine's last turn on it, as the Env path records them."""
+    scripted.engine.routing = True
+    sid = open_session(scripted)
+    messages = [{"role": "user", "content": "hi"}]
+    first = post(scripted, "openai", sid, json={"messages": messages}).json()
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "and again"}]
+    post(scripted, "openai", sid, json={"messages": messages})
+    (sample,) = scripted.close_session(sid).samples(1.0, {})
+    (ids, _), last = scripted.engine.calls[-1], len(sample.tokens) - 1
+    assert len(scripted.engine.calls) == 2 and len(sample.routed_experts) == len(sample.tokens)
+    assert sample.routed_experts[:last] == [[[i % 4, 4 + i % 3]] for i in range(last)]
+    assert sample.routed_experts[last] == sample.routed_experts[last - 1]  # (the final token)
+    assert sample.tokens[:len(ids)] == ids
+

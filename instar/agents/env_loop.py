@@ -24,7 +24,7 @@ from instar.agents.chat import as_messages, continuation_ids, prompt_ids
 from instar.agents.contract import Action, Env, Task
 from instar.agents.images import image_urls, with_images
 from instar.errors import EpisodeError
-from instar.sample import Sample
+from instar.sample import Sample, fit_routing
 
 log = logging.getLogger(__name__)
 CANCEL_GRACE_S = 5.0
@@ -188,13 +188,10 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
     if len(images) > seen[1]:  # a last observation with images the engine never expanded
         tokens, mask, logprobs, versions = (x[:seen[0]] for x in (tokens, mask, logprobs, versions))
         images = images[:seen[1]]
-    if routing is not None:  # the positions after the last one the engine ran (the final
-        # token, a last observation) affect no trained log-prob: they repeat the last row
-        routing = routing[:len(tokens)] + routing[-1:] * (len(tokens) - len(routing))
     return dict(tokens=tokens, loss_mask=mask, logprobs=logprobs, versions=versions,
                 reward=reward, finish_reason=finish,
                 info={**info, "turn_rewards": turn_rewards, "tool_call_errors": call_errors},
-                routed_experts=routing, images=images or None)
+                routed_experts=fit_routing(routing, len(tokens)), images=images or None)
 
 
 async def run_env_episode(env: Env, task: Task, generate: Generate, tokenizer,

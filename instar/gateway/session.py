@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from instar.agents.chat import Message, canonical, continuation_ids, prompt_ids
-from instar.sample import Sample
+from instar.sample import Sample, fit_routing
 
 
 @dataclass
@@ -33,6 +33,8 @@ class Segment:
     versions: list[int | None] = field(default_factory=list)
     images: list[str] = field(default_factory=list)
     sealed_because: str = ""
+    routing: list | None = None
+    """MoE: the experts of every position the engine ran at the last turn (GPU engines)."""
 
     def extend(self, ids: list[int], logprobs: list[float] | None = None,
                versions: list[int] | None = None) -> None:
@@ -121,7 +123,7 @@ class Session:
         seg = self.segments[-1]
         seg.extend((gen.prompt_ids or turn.prompt_ids)[len(seg.tokens):])  # (images expanded)
         seg.extend(list(gen.token_ids), list(gen.logprobs), list(gen.versions))
-        seg.images = turn.images
+        seg.images, seg.routing = turn.images, gen.routed_experts
         self.history = [canonical(m) for m in messages] + [canonical(reply)]
         self.tools = tools
         self.ended_with_eos = gen.token_ids[-1:] == [self.tokenizer.eos_token_id]
@@ -136,6 +138,7 @@ class Session:
                        tokens=s.tokens, loss_mask=s.loss_mask, logprobs=s.logprobs,
                        versions=s.versions, reward=reward, finish_reason=finish,
                        sampling=self.sampling, images=s.images or None,
+                       routed_experts=fit_routing(s.routing, len(s.tokens)),
                        info={**info, "turns": self.turns, "sealed_because": s.sealed_because,
                              "tool_call_errors": self.tool_call_errors})
                 for i, s in enumerate(self.segments) if any(s.loss_mask)]
