@@ -313,7 +313,8 @@ def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], c
         if fresh and k in MISMATCH:
             stats[k] = updates[0][k] / fresh
     if len(updates) > 1:  # how far each update moved from the old policy (JSONL only)
-        stats["updates"] = [{k: u[k] for k in ("loss", "clip_frac", "approx_kl", "grad_norm")}
+        stats["updates"] = [{k: u[k] for k in ("loss", "clip_frac", "approx_kl", "ratio_max",
+                                                "ratio_min", "grad_norm") if k in u}
                             for u in updates]
     seq_adv = [mean(a for a, m in zip(ad, s.loss_mask) if m) for s, ad in zip(samples, adv)]
     stats.update(lr=lr, **spread("adv", seq_adv), **({"kl_coef": a.kl_coef} if a.kl_target else {}))

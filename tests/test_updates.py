@@ -19,8 +19,10 @@ class Recorder:
     def step(self, seqs, loss, lr, algo=None):
         self.calls.append(("step", seqs))
         self.algo = algo
-        return {"loss": float(len(self.calls)), "clip_frac": 0.0, "approx_kl": 0.0,
-                "grad_norm": 1.0, "mismatch_tokens": 2, "abs_logprob_diff": 0.2, "k3": 0.0}
+        n = len(self.calls)
+        return {"loss": float(n), "clip_frac": 0.0, "approx_kl": 0.0, "ratio_max": 1 + n / 10,
+                "ratio_min": 1 - n / 10, "grad_norm": 1.0, "mismatch_tokens": 2,
+                "abs_logprob_diff": 0.2, "k3": 0.0}
 
     def score(self, seqs, temperature):
         self.calls.append(("score", seqs))
@@ -59,6 +61,10 @@ def test_epochs_of_shuffled_mini_batches_against_the_old_policy_scored_once():
         assert [len(p) for p in epoch] == [3, 3]
     assert all(q.old_logprobs == [-0.25] * len(q.tokens) for p in parts for q in p)
     assert [u["loss"] for u in stats["updates"]] == [2.0, 3.0, 4.0, 5.0]
+    # each update's ratio spread, and the step's extremes over all of them
+    assert [(u["ratio_min"], u["ratio_max"]) for u in stats["updates"]] == \
+        [(1 - n / 10, 1 + n / 10) for n in (2, 3, 4, 5)]
+    assert (stats["ratio_min"], stats["ratio_max"]) == (0.5, 1.5)
     assert stats["loss"] == 3.5
     # the shuffle is the step's own: the same again (exact resume), another at another step
     again = Recorder()
