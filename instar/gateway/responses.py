@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from instar.gateway.wire import (
+    OpenAIWire,
     Reply,
     Request,
     _fields,
@@ -165,8 +166,8 @@ class ResponsesWire:
                        previous=body.get("previous_response_id"),
                        store=body.get("store") is not False,
                        echo={**echo, "tool_choice": choice or "auto",
-                             "tools": body.get("tools") or [], "store": body.get("store") is not False,
-                             "encrypted": "reasoning.encrypted_content" in include})
+                             "tools": body.get("tools") or []},
+                       reasoning_text_as_encrypted="reasoning.encrypted_content" in include)
 
     @staticmethod
     def _output(reply: Reply, encrypted: bool) -> list[dict]:
@@ -176,8 +177,7 @@ class ResponsesWire:
                           "content": [{"type": "reasoning_text", "text": reply.reasoning}],
                           **({"encrypted_content": reply.reasoning} if encrypted else {})})
         if reply.text or not reply.calls:
-            logprobs = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in reply.logprobs or []]
+            logprobs = (OpenAIWire._logprobs(reply) or {"content": []})["content"]
             items.append({"type": "message", "id": f"msg_{reply.id}", "role": "assistant",
                           "status": "completed", "content": [{
                               "type": "output_text", "text": reply.text, "annotations": [],
@@ -188,13 +188,12 @@ class ResponsesWire:
 
     @classmethod
     def response(cls, reply: Reply, model: str, req: Request) -> dict:
-        echo = {k: v for k, v in req.echo.items() if k != "encrypted"}
         incomplete = reply.finish == "length"
-        return {**echo, "id": response_id(reply), "object": "response",
+        return {**req.echo, "store": req.store, "id": response_id(reply), "object": "response",
                 "created_at": int(time.time()), "model": model,
                 "status": "incomplete" if incomplete else "completed", "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "output": cls._output(reply, req.echo.get("encrypted", False)),
+                "output": cls._output(reply, req.reasoning_text_as_encrypted),
                 "parallel_tool_calls": True, "text": {"format": {"type": "text"}},
                 "truncation": "disabled",
                 "usage": {"input_tokens": reply.prompt_tokens,

@@ -55,6 +55,8 @@ class Request:
     """Responses: keep this response for a later request's previous_response_id."""
     echo: dict[str, Any] = field(default_factory=dict)
     """Responses: request fields the response repeats."""
+    reasoning_text_as_encrypted: bool = False
+    """Responses: include reasoning.encrypted_content (the reasoning text: nothing is encrypted)."""
 
 
 @dataclass
