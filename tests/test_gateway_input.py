@@ -347,3 +347,15 @@ def test_chat_agent_segments_record_the_engines_routing(scripted):
     assert sample.routed_experts[last] == sample.routed_experts[last - 1]  # (the final token)
     assert sample.tokens[:len(ids)] == ids
 
+
+
+def test_models_refuse_a_wrong_key_or_session_in_the_wires_shape(gateway):
+    sid = gateway.open_session("r0", "g0", {"temperature": 1.0, "max_tokens": 8}, 4, 512)
+    url = f"{gateway.base}/s/{{}}/v1/models"
+    ok = httpx.get(url.format(sid), headers={"Authorization": f"Bearer {gateway.api_key}"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
+    unknown = httpx.get(url.format("nope"), headers={"Authorization": f"Bearer {gateway.api_key}"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
+    wrong = httpx.get(url.format(sid), headers={"x-api-key": "wrong", "anthropic-version": "1"})
+    assert wrong.status_code == 401 and wrong.json()["type"] == "error"
+    gateway.close_session(sid)
