@@ -182,6 +182,10 @@ class RolloutConfig:
     episodes restarted (0: no watchdog)."""
     max_request_mb: float = 32.0
     """The gateway refuses larger request bodies (413)."""
+    runners: int = 0
+    """Agent runner processes (Ray actors, spread over the cluster's nodes; see
+    docs/scale_out.md). Each runs its share of the episodes, and for ChatAgents a gateway on
+    its own node's loopback. 0: the episodes run in the driver process."""
 
 
 @dataclass
@@ -380,6 +384,9 @@ class ClusterConfig:
     '{"NAME": N}'`); each engine takes one unit. Empty: any node. Needs disaggregated placement."""
     trainer_resource: str = ""
     """The same for trainer ranks: each takes one unit of it."""
+    runner_resource: str = ""
+    """The same for agent runners (--rollout.runners; each takes a thousandth of a unit, so
+    one node can hold them all). Empty: spread over all nodes."""
 
 
 @dataclass
@@ -477,9 +484,9 @@ class Config:
         if r.temperature <= 0 or e.temperature <= 0:
             raise ValueError("--rollout.temperature and --eval.temperature must be > 0: "
                              "greedy decoding has no behaviour log-probs to train with")
-        if r.max_retries < 0 or r.preflight < 0 or r.preflight_tol <= 0:
-            raise ValueError("--rollout.max-retries and --rollout.preflight must be >= 0, "
-                             "--rollout.preflight-tol > 0")
+        if r.max_retries < 0 or r.preflight < 0 or r.runners < 0 or r.preflight_tol <= 0:
+            raise ValueError("--rollout.max-retries, --rollout.preflight and --rollout.runners "
+                             "must be >= 0, --rollout.preflight-tol > 0")
         if e.size < 0 or e.every < 0 or e.samples < 1 or e.max_tokens < 0:
             raise ValueError("--eval.size, --eval.every and --eval.max-tokens must be >= 0, "
                              "--eval.samples >= 1")
@@ -608,6 +615,8 @@ class Config:
             self._unused("cluster.engine_resource", "cluster.trainer_resource",
                          unless="--rollout.placement disaggregated (colocated engines and ranks "
                          "share bundles)")
+        if r.runners == 0:
+            self._unused("cluster.runner_resource", unless="--rollout.runners > 0")
         if self.eval.size == 0:
             self._unused("data.eval", "eval.every", "eval.samples", "eval.temperature",
                          "eval.max_tokens", "eval.pass_threshold", unless="--eval.size > 0 "

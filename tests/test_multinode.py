@@ -1,8 +1,8 @@
 """A real two-node Ray cluster on this machine: a head with the custom resource `node_a` and a
 second `ray start` with `node_b` (stopped at the end with all their processes, by pid, even
 on failure; `ray stop` would stop every Ray on the machine). `instar rl` joins it with
---cluster.ray-address and puts the engine on node_a and both trainer ranks on node_b; Ray's
-actor table must say so, and the run must end with its normal summary.
+--cluster.ray-address and puts the engine on node_a, both trainer ranks and the agent runner on
+node_b; Ray's actor table must say so, and the run must end with its normal summary.
 
 Ray resolves 127.0.0.1 to the machine's own address, so both nodes share one IP: the
 placement and the rendezvous go through Ray exactly as across hosts, the network does not.
@@ -85,7 +85,7 @@ def cluster():
         ["--head", f"--port={port}", f"--ray-client-server-port={free_port()}",
          f"--dashboard-port={free_port()}", "--include-dashboard=false", "--num-cpus=1",
          '--resources={"node_a": 1}'],
-        [f"--address=127.0.0.1:{port}", "--num-cpus=2", '--resources={"node_b": 2}'],
+        [f"--address=127.0.0.1:{port}", "--num-cpus=2", '--resources={"node_b": 3}'],
     ]
     procs = []
     try:
@@ -117,6 +117,7 @@ def test_engine_and_ranks_on_different_nodes(cluster, tmp_path):
     cmd = [sys.executable, "-m", "instar.cli", "rl", "--cluster.ray-address", address,
            "--rollout.placement", "disaggregated", "--cluster.engine-resource", "node_a",
            "--cluster.trainer-resource", "node_b", "--rollout.threads", "1",
+           "--rollout.runners", "1", "--cluster.runner-resource", "node_b",
            "--train.num-ranks", "2", "--train.steps", "2", "--train.warmup-sft-steps", "0",
            "--data.prompts-per-step", "2", "--rollout.group-size", "2", "--eval.size", "2",
            "--rollout.max-tokens", "8", "--logging.root", "runs", "--logging.name", "two-nodes",
@@ -141,3 +142,4 @@ def test_engine_and_ranks_on_different_nodes(cluster, tmp_path):
         placed.setdefault(actor["class"], []).append(actor["node"])
     assert placed["Engine"] == [node_a]
     assert placed["TrainWorker"] == [node_b, node_b]
+    assert placed["Runner"] == [node_b]  # the episodes ran there, on the engine of node_a

@@ -61,6 +61,13 @@ EPISODES_PER_ENGINE = 256
 AgentThread); `run` over a large dataset queues the others."""
 
 
+def start_loop() -> asyncio.AbstractEventLoop:
+    """The event loop the episodes run on, running in a thread of its own."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True, name="rollouts").start()
+    return loop
+
+
 class Rollouts:
     """Holds the router over the engines, the weight versions they hold, the tokenizer, the
     event loop the episodes run on, and (for ChatAgents) a running gateway."""
@@ -81,8 +88,7 @@ class Rollouts:
         self.limits = {k: v for k, v in limits.items() if v is not None}
         self.max_model_len = max_model_len
         self.on_failure, self.max_retries = on_failure, max_retries
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True, name="rollouts").start()
+        self.loop = start_loop()
         self.gateway = None
         if issubclass(agent_cls, ChatAgent):
             self.gateway = Gateway(  # (its requests hop to this loop, the router's)

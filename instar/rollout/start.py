@@ -9,6 +9,8 @@ from instar.progress import status
 from instar.rollout.engine import launch
 from instar.rollout.parsers import check
 from instar.rollout.runner import Rollouts
+from instar.rollout.runners import Runners
+from instar.tasks.reverse_data import AGENT_FILE
 
 
 def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | None = None,
@@ -37,16 +39,19 @@ def make_rollouts(cfg: Config, agent_cls: type, engines: list, tokenizer,
                   model_path: Path) -> Rollouts:
     """The agent's episodes on `engines`, with the run's limits and failure policy; a frozen
     judge (`--agent.judge`: a folder or Hub id) gets an engine of its own, shut down with the
-    rollouts."""
+    rollouts. With `--rollout.runners N`, the episodes run in N runner processes."""
     a, r = cfg.agent, cfg.rollout
     judge = a.judge if a.judge in ("", "policy") else str(resolve_model(a.judge, "--agent.judge"))
     judge_engines = [] if judge in ("", "policy") else launch(
         judge, device=cfg.cluster.device, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
         kv_cache_gb=r.kv_cache_gb, threads=r.threads, seed=cfg.data.seed,
         tensor_parallel=r.tensor_parallel)
-    return Rollouts(agent_cls, a.config, engines, tokenizer, model_name=model_name(model_path),
-                    max_model_len=r.max_model_len, on_failure=r.on_failure,
-                    max_retries=r.max_retries, judge=judge, judge_engines=judge_engines,
-                    hang_s=r.hang_s, max_request_mb=r.max_request_mb, seed=cfg.data.seed,
-                    limits={"max_turns": a.max_turns, "max_tokens": a.max_tokens,
-                            "timeout_s": a.timeout_s})
+    options = dict(model_name=model_name(model_path), max_model_len=r.max_model_len,
+                   on_failure=r.on_failure, max_retries=r.max_retries, judge=judge,
+                   judge_engines=judge_engines, hang_s=r.hang_s, max_request_mb=r.max_request_mb,
+                   seed=cfg.data.seed, limits={"max_turns": a.max_turns,
+                                               "max_tokens": a.max_tokens, "timeout_s": a.timeout_s})
+    if r.runners:  # (each runner loads the agent file itself)
+        return Runners(r.runners, cfg.cluster.runner_resource, a.file or AGENT_FILE, a.config,
+                       engines, tokenizer, **options)
+    return Rollouts(agent_cls, a.config, engines, tokenizer, **options)
