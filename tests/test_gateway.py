@@ -6,16 +6,19 @@ these conversations are real generations.
 """
 
 import json
+import time
 
 import anthropic
 import httpx
 import openai
 import pytest
 import ray
-from conftest import CALCULATOR
+from conftest import CALCULATOR, TOOL_CONVERSATION
 
 from instar.agents.chat import render
 from instar.gateway.server import Gateway
+from instar.rollout.router import Router
+from instar.rollout.versions import Versions
 
 pytestmark = pytest.mark.stack
 
@@ -332,3 +335,148 @@ def test_session_ids_and_binding(gateway):
     assert len(sids) == 50 and all(len(s) >= 20 for s in sids)
     assert gateway.base.startswith("http://127.0.0.1:")
     assert ray.is_initialized()
+
+
+# -- streamed as generated -------------------------------------------------------------------
+
+class Routed:
+    """The router over the engine, asked for whole generations or streamed ones; keeps what it
+    returned."""
+
+    def __init__(self, engine):
+        self.router, self.outputs = Router([engine], Versions(), hang_s=0), []
+
+    async def __call__(self, *args):  # (episode, ids, sampling, images[, on_text])
+        gen = await self.router.generate(*args)
+        self.outputs.append(gen)
+        return gen
+
+
+@pytest.fixture
+def streaming(tool_engine, tokenizer):
+    """A gateway that streams replies as the engine generates them, as a run's does."""
+    routed = Routed(tool_engine)
+    gw = Gateway(routed, tokenizer, model="tiny", max_model_len=512, stream=routed).start()
+    gw.routed = routed
+    yield gw
+    gw.stop()
+
+
+def tool_round_trip(gw, wire: str, stream: bool) -> list[dict]:
+    """A call, its result, an answer, by the stock SDK of `wire`: each reply as the client
+    got it (its text, calls, finish, text events), and the session's record."""
+    sid = gw.open_session("r0", "g0", SAMPLING, 8, 4096)
+    openai_url, anthropic_url = gw.urls(sid)
+    replies, question = [], {"role": "user", "content": "What is 2+3?"}
+    if wire == "openai":
+        client, messages = openai.OpenAI(base_url=openai_url, api_key=gw.api_key), [question]
+        for _ in range(2):
+            kw = dict(model="tiny", messages=messages, tools=[CALCULATOR])
+            if stream:
+                chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True)]
+                texts = [c.delta.content for c in chunks if c.delta.content]
+                calls = [c.model_dump() for ch in chunks for c in ch.delta.tool_calls or []]
+                finish = chunks[-1].finish_reason
+            else:
+                choice = client.chat.completions.create(**kw).choices[0]
+                texts, finish = [choice.message.content or ""], choice.finish_reason
+                calls = [c.model_dump() for c in choice.message.tool_calls or []]
+            replies.append({"text": "".join(texts), "calls": [c["function"] for c in calls],
+                            "finish": finish, "pieces": len(texts)})
+            messages += [{"role": "assistant", "content": "".join(texts) or None,
+                          **({"tool_calls": [{k: c[k] for k in ("id", "type", "function")}
+                                             for c in calls]} if calls else {})},
+                         {"role": "tool", "tool_call_id": calls[0]["id"] if calls else "", "content": "5"}]
+    elif wire == "anthropic":
+        client, messages = anthropic.Anthropic(base_url=anthropic_url, api_key=gw.api_key), [question]
+        for _ in range(2):
+            kw = dict(model="tiny", max_tokens=40, messages=messages, tools=[ANTHROPIC_TOOL])
+            if stream:
+                with client.messages.stream(**kw) as s:
+                    pieces = sum(e.type == "text" for e in s)
+                    reply = s.get_final_message()
+            else:
+                reply, pieces = client.messages.create(**kw), 1
+            content = [b.model_dump() for b in reply.content]
+            replies.append({"content": [{k: v for k, v in b.items() if k != "id"} for b in content],
+                            "finish": reply.stop_reason, "pieces": pieces})
+            uses = [b for b in content if b["type"] == "tool_use"]
+            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": u["id"], "content": "5"} for u in uses]
+                or "and?"}]
+    else:
+        client, items = openai.OpenAI(base_url=openai_url, api_key=gw.api_key), [question]
+        for _ in range(2):
+            kw = dict(model="tiny", input=items, tools=[RESPONSES_TOOL], store=False)
+            if stream:
+                events = list(client.responses.create(**kw, stream=True))
+                reply = events[-1].response
+                pieces = sum(e.type == "response.output_text.delta" and e.delta != ""
+                             for e in events)
+            else:
+                reply, pieces = client.responses.create(**kw), 1
+            out = [o.model_dump(exclude_none=True) for o in reply.output]
+            replies.append({"text": reply.output_text, "finish": reply.status, "pieces": pieces,
+                            "calls": [(o["name"], o["arguments"]) for o in out
+                                      if o["type"] == "function_call"]})
+            items += out + [{"type": "function_call_output", "call_id": o["call_id"], "output": "5"}
+                            for o in out if o["type"] == "function_call"]
+    session = gw.close_session(sid)
+    gw.routed.router.release("r0")  # (the same episode again: the same request seeds)
+    replies.append([(s.tokens, s.loss_mask, s.logprobs, s.versions) for s in session.segments])
+    return replies
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
+def test_a_reply_streamed_as_generated_is_the_reply_not_streamed(streaming, wire):
+    """The same episode (the same request seeds) twice, by the stock SDK: streamed, its text
+    comes in pieces as the engine generates it, and the client ends with the reply, calls
+    and all, that the request not streamed got; the session records the same tokens."""
+    whole, streamed = (tool_round_trip(streaming, wire, stream) for stream in (False, True))
+    assert [r.pop("pieces") for r in whole[:2]] == [1, 1]
+    assert [r.pop("pieces") > 1 for r in streamed[:2]] == [False, True]  # (the answer's text)
+    assert streamed == whole
+    assert whole[0]["finish"] in ("tool_calls", "tool_use", "completed")
+    outs = streaming.routed.outputs
+    assert [g.token_ids for g in outs[:2]] == [g.token_ids for g in outs[2:]]
+
+
+def test_the_first_text_arrives_while_the_engine_is_still_generating(streaming, tool_engine):
+    """A long reply (ignore_eos): when its first text reaches the client, the engine still has
+    the request in flight; the text, joined, is the reply the session records."""
+    sid = streaming.open_session("r1", "g0", {**SAMPLING, "max_tokens": 400, "ignore_eos": True},
+                                 8, 4096)
+    client = openai.OpenAI(base_url=streaming.urls(sid)[0], api_key=streaming.api_key)
+    _, done_before, _ = ray.get(tool_engine.progress.remote())
+    texts, in_flight = [], None
+    for chunk in client.chat.completions.create(model="tiny", messages=TOOL_CONVERSATION[:3],
+                                                stream=True):  # (answered with text at once)
+        text = chunk.choices[0].delta.content
+        if text and in_flight is None:
+            in_flight, generated, _ = ray.get(tool_engine.progress.remote())
+        texts.append(text or "")
+    session = streaming.close_session(sid)
+    (gen,) = streaming.routed.outputs
+    assert in_flight == 1 and generated - done_before < len(gen.token_ids) == 400
+    assert "".join(texts) == session.last_reply.text
+    assert generated_spans(session.segments[0]) == [gen.token_ids]
+
+
+def test_a_client_that_leaves_mid_stream_cancels_the_engine_request(streaming, tool_engine):
+    sid = streaming.open_session("r2", "g0", {**SAMPLING, "max_tokens": 400, "ignore_eos": True},
+                                 8, 4096)
+    _, done_before, _ = ray.get(tool_engine.progress.remote())
+    with httpx.stream("POST", f"{streaming.urls(sid)[0]}/chat/completions",
+                      headers={"Authorization": f"Bearer {streaming.api_key}"},
+                      json={"messages": TOOL_CONVERSATION[:3], "stream": True}) as response:
+        for line in response.iter_lines():
+            if '"content":' in line and '"content": ""' not in line:
+                break  # the first text: the client leaves
+    for _ in range(300):
+        in_flight, done, _ = ray.get(tool_engine.progress.remote())
+        if not in_flight:
+            break
+        time.sleep(0.1)
+    assert in_flight == 0 and done == done_before  # (stopped before its end: not counted)
+    session = streaming.close_session(sid)
+    assert not session.segments and not streaming.routed.outputs

@@ -223,6 +223,87 @@ def test_a_disconnected_client_cancels_its_engine_request_and_nothing_is_recorde
     assert not scripted.close_session(sid).segments
 
 
+class Pieces:
+    """A streaming engine: shows "Hel", "lo" as it generates (`shown` of them), then answers
+    "Hello" or fails as `fail`."""
+
+    def __init__(self, tokenizer, shown: int = 2, fail: Exception | None = None):
+        self.tokenizer, self.shown, self.fail, self.calls = tokenizer, shown, fail, 0
+
+    async def __call__(self, episode, ids, sampling, images, on_text):
+        self.calls += 1
+        for piece in ["Hel", "lo"][:self.shown]:
+            on_text(piece)
+        if self.fail is not None:
+            raise self.fail
+        out = self.tokenizer.encode("Hello", add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return Generation(out, [-0.5] * len(out), [0] * len(out), "stop", "Hello",
+                          content="Hello")
+
+
+def streamed(gw, wire: str, sid: str) -> tuple[str, Exception | None]:
+    """The text a stock SDK's stream gave, and the error it ended with (if any)."""
+    import anthropic
+    import openai
+
+    openai_url, anthropic_url = gw.urls(sid)
+    text = ""
+    try:
+        if wire == "anthropic":
+            client = anthropic.Anthropic(base_url=anthropic_url, api_key=gw.api_key, max_retries=0)
+            with client.messages.stream(model="m", **ANTHROPIC) as s:
+                for event in s:
+                    text += event.text if event.type == "text" else ""
+        elif wire == "openai":
+            client = openai.OpenAI(base_url=openai_url, api_key=gw.api_key, max_retries=0)
+            for chunk in client.chat.completions.create(model="m", **OPENAI, stream=True):
+                text += chunk.choices[0].delta.content or ""
+        else:
+            client = openai.OpenAI(base_url=openai_url, api_key=gw.api_key, max_retries=0)
+            for event in client.responses.create(model="m", **RESPONSES, stream=True):
+                text += event.delta if event.type == "response.output_text.delta" else ""
+                if event.type == "error":  # (the SDK hands this event on)
+                    return text, RuntimeError(f"{event.code}: {event.message}")
+    except (anthropic.APIError, openai.APIError) as e:
+        return text, e
+    return text, None
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
+def test_a_stream_that_fails_after_its_first_text_ends_with_the_wires_error(tokenizer, wire):
+    """Text shown, then the weight update that stops the episode: the stream ends with the
+    wire's error event, nothing is recorded, the episode is marked for a restart. Failing
+    before any text, it is refused as a request not streamed is (a 4xx in the wire's shape)."""
+    from instar.errors import Requeue
+
+    engine = Pieces(tokenizer, fail=Requeue("a weight update"))
+    gw = Gateway(NoEngine(), tokenizer, model="m", max_model_len=512, stream=engine).start()
+    try:
+        sid = open_session(gw)
+        text, error = streamed(gw, wire, sid)
+        assert text == "Hel" + "lo" and "restarts it" in str(error) and engine.calls == 1
+        session = gw.close_session(sid)
+        assert session.requeued and not session.segments
+        engine.shown, sid = 0, open_session(gw)
+        text, error = streamed(gw, wire, sid)
+        assert text == "" and error.status_code == 400 and "restarts it" in str(error)
+    finally:
+        gw.stop()
+
+
+def test_a_streamed_reply_retried_is_answered_again_and_recorded_once(tokenizer):
+    engine = Pieces(tokenizer)
+    gw = Gateway(NoEngine(), tokenizer, model="m", max_model_len=512, stream=engine).start()
+    try:
+        sid = open_session(gw)
+        for wire in ["openai", "openai", "anthropic"]:
+            assert streamed(gw, wire, sid) == ("Hello", None)
+        session = gw.close_session(sid)
+        assert engine.calls == 2 and session.turns == 2  # (the anthropic request is another)
+    finally:
+        gw.stop()
+
+
 def test_another_session_is_answered_while_a_large_request_is_still_being_rendered(scripted,
                                                                                    monkeypatch):
     render = type(scripted.tokenizer).apply_chat_template

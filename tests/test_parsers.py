@@ -152,6 +152,37 @@ def test_each_familys_calls_and_reasoning_are_parsed(tiny_model, name):
     assert (bad.tool_calls, bad.tool_call_errors, bad.reasoning) == ([], 1, f["reasoning"])
 
 
+COMPLETIONS = ['Let me add.<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>',
+               'Let me add. [TOOL_CALLS]add[ARGS]{"a": 2}', "Let me <function=add>\n"
+               "<parameter=a>\n2\n</parameter>\n</function>", '  Sure. <tool_call>{"name": '
+               '"add", "arguments": {}}</tool_call>', "A <tool_ca is no call.  ", "The sum is 5.",
+               '<tool_call>{"name": "add", "arguments": {"a": 2,,}}</tool_call>',
+               'Hi {"name": "add", "parameters": {"a": 2}}']
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("family,tool,reasoning", [
+    ("qwen", "hermes", "none"), ("qwen", "qwen3_coder", "none"), ("mistral", "mistral", "none"),
+    ("llama", "llama3_json", "none"), ("qwen", "hermes", "qwen3"), ("qwen", "none", "none")])
+def test_settled_text_is_the_start_of_the_reply_however_the_completion_goes_on(
+        tiny_model, family, tool, reasoning):
+    """What a stream shows before the completion ends, at every character of it: never
+    shrinks, and begins the reply of the whole completion (its parsed content, and its text,
+    which a request that parses no calls gets); text comes live where the parser allows."""
+    from instar.rollout.parsers import Parsers
+
+    parsers = Parsers(family_tokenizer(tiny_model, family), tool, reasoning)
+    for text in COMPLETIONS:
+        reply, shown = parsers.parse(text).content, ""
+        for end in range(len(text) + 1):
+            settled = parsers.settled(text[:end])
+            assert settled.startswith(shown) and reply.startswith(settled) and \
+                text.startswith(settled), (text[:end], settled)
+            shown = settled
+    live = reasoning == "none" and tool != "llama3_json"  # (which reads a call at any "{")
+    assert parsers.settled("Let me add.") == ("Let me add." if live else "")
+
+
 @pytest.mark.stack
 def test_a_parser_that_cannot_read_this_tokenizer_names_its_flag(tiny_model):
     from instar.rollout.parsers import Parsers

@@ -24,6 +24,7 @@ from instar.gateway.wire import (
     OpenAIWire,
     Reply,
     Request,
+    WireError,
     _fields,
     _flag,
     _image,
@@ -203,17 +204,37 @@ class ResponsesWire:
                           "total_tokens": reply.prompt_tokens + reply.completion_tokens}}
 
     @classmethod
-    def stream(cls, reply: Reply, model: str, req: Request):
-        done = cls.response(reply, model, req)
+    async def stream(cls, start: Reply, items, model: str, req: Request):
         seq = iter(range(1 << 30))
 
         def event(kind: str, **fields):
             return sse({"type": kind, "sequence_number": next(seq), **fields}, kind)
 
-        start = {**done, "status": "in_progress", "output": [], "usage": None,
-                 "incomplete_details": None}
-        yield event("response.created", response=start)
-        yield event("response.in_progress", response=start)
+        def opening(i: int, message: dict) -> list[str]:
+            at = {"item_id": message["id"], "output_index": i, "content_index": 0}
+            return [event("response.output_item.added", output_index=i,
+                          item={**message, "status": "in_progress", "content": []}),
+                    event("response.content_part.added", **at,
+                          part={**message["content"][0], "text": "", "logprobs": []})]
+
+        head = {**cls.response(start, model, req), "status": "in_progress", "output": [],
+                "usage": None, "incomplete_details": None}
+        yield event("response.created", response=head)
+        yield event("response.in_progress", response=head)
+        shown = ""  # text shown as it comes opens the message as item 0 (no reasoning before it)
+        async for reply in items:  # (pieces of its text first)
+            if isinstance(reply, str):
+                if not shown:
+                    message = cls._output(start, False)[0]
+                    for e in opening(0, message):
+                        yield e
+                shown += reply
+                yield event("response.output_text.delta", item_id=message["id"], output_index=0,
+                            content_index=0, delta=reply, logprobs=[])
+        if isinstance(reply, WireError):
+            yield event("error", code=reply.code or reply.kind, message=reply.message, param=None)
+            return
+        done = cls.response(reply, model, req)
         for i, item in enumerate(done["output"]):
             at = {"item_id": item["id"], "output_index": i}
             if item["type"] == "reasoning":
@@ -224,12 +245,10 @@ class ResponsesWire:
                 yield event("response.reasoning_text.done", **at, content_index=0, text=text)
             elif item["type"] == "message":
                 part = item["content"][0]
-                yield event("response.output_item.added", output_index=i,
-                            item={**item, "status": "in_progress", "content": []})
-                yield event("response.content_part.added", **at, content_index=0,
-                            part={**part, "text": "", "logprobs": []})
+                for e in [] if shown else opening(i, item):
+                    yield e
                 yield event("response.output_text.delta", **at, content_index=0,
-                            delta=part["text"], logprobs=part["logprobs"])
+                            delta=part["text"][len(shown):], logprobs=part["logprobs"])
                 yield event("response.output_text.done", **at, content_index=0,
                             text=part["text"], logprobs=part["logprobs"])
                 yield event("response.content_part.done", **at, content_index=0, part=part)

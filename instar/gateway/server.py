@@ -9,8 +9,9 @@
                                  Session.plan: extend the recorded tokens or start a segment
                                                  ▼
                                  engine generate(token ids) -> ids, log-probs, versions
+                                   (stream: the reply's text sent on as it settles)
                                                  ▼
-                                 Session.record; wire.response / wire.stream
+                                 Session.record; wire.response / wire.stream (the rest)
 
 Bound to 127.0.0.1, a random API key per run (checked on every request), one unguessable
 session id per episode. Bad input is answered in the wire's own error shape (4xx) and
@@ -18,6 +19,12 @@ leaves the session's recorded tokens unchanged; nothing a client sends gets a 5x
 request is bounded (a body limit, a length bound before tokenising, image limits checked
 before decoding) and done off the event loop (JSON, images, template, tokeniser), so one
 request cannot stall the other sessions. A client that hangs up cancels its engine request.
+
+A streamed request (given `stream`) gets its reply's text as the engine generates it, as far
+as the text is settled (`Parsers.settled`); reasoning and tool calls, and the rest of the text,
+follow at the end from the finished generation, which is what the session records, as for a
+request not streamed. Refusals before any text settles are answered as such (4xx); a failure
+after it ends the stream with the wire's error event.
 """
 
 import asyncio
@@ -37,7 +44,15 @@ from instar.agents.images import IMAGE_TOKEN
 from instar.errors import EpisodeError, Requeue
 from instar.gateway.responses import ResponsesWire, response_id
 from instar.gateway.session import Session
-from instar.gateway.wire import AnthropicWire, OpenAIWire, WireError, bad_request, make_reply
+from instar.gateway.wire import (
+    AnthropicWire,
+    OpenAIWire,
+    Reply,
+    WireError,
+    bad_request,
+    make_reply,
+    whole,
+)
 
 log = logging.getLogger(__name__)
 RESTARTED = "a weight update stopped this episode; instar restarts it from the beginning"
@@ -45,12 +60,15 @@ RESTARTED = "a weight update stopped this episode; instar restarts it from the b
 
 class Gateway:
     """Runs the HTTP server in a background thread; sessions are opened and closed by the
-    rollout code in the caller's thread. `generate(episode, ids, sampling)` calls the engine
-    (the episode key lets a router keep a session on one engine)."""
+    rollout code in the caller's thread. `generate(episode, ids, sampling, images)` calls the
+    engine (the episode key lets a router keep a session on one engine). `stream`: the same
+    with a fifth argument, `on_text`, called (from any thread) with each piece of the reply's
+    text as it settles, as `Router.generate` does; without it, a streamed reply is sent whole
+    once it is generated."""
 
     def __init__(self, generate, tokenizer, *, model: str, max_model_len: int,
-                 max_body_mb: float = 32):
-        self.generate, self.tokenizer = generate, tokenizer
+                 max_body_mb: float = 32, stream=None):
+        self.generate, self.stream, self.tokenizer = generate, stream, tokenizer
         self.model, self.max_model_len = model, max_model_len
         self.max_body_bytes = int(max_body_mb * (1 << 20))
         self.vision = IMAGE_TOKEN in tokenizer.get_vocab()  # the model takes images
@@ -119,10 +137,8 @@ class Gateway:
                 return await self._handle(wire, sid, request)
             except WireError as e:
                 return JSONResponse(wire.error(e), status_code=e.status)
-            except Exception as e:  # a bug: logged; the client learns nothing of the internals
-                log.exception("the gateway failed on a request", exc_info=e)
-                return JSONResponse(wire.error(WireError(500, "api_error", "internal error")),
-                                    status_code=500)
+            except Exception as e:
+                return JSONResponse(wire.error(_internal(e)), status_code=500)
         handle.__name__ = f"{wire.name}_endpoint"
         return handle
 
@@ -181,14 +197,16 @@ class Gateway:
                     f"recomputes log-probs with the run's sampling; leave {name} unset {fix}",
                     "unsupported_value")
 
-    async def _generate(self, request: Request, session: Session, turn, params: dict):
-        """The engine's generation; None if the client disconnected first (the engine request
-        is then cancelled: nothing of it is recorded)."""
+    async def _generate(self, request: Request, session: Session, turn, params: dict,
+                        live: "Live | None"):
+        """The engine's generation (its text to `live` as it settles); None if the client
+        disconnected first (the engine request is then cancelled: nothing of it is recorded)."""
         async def gone():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+        args = session.rollout_id, turn.prompt_ids, params, turn.images
         gen, watch = (asyncio.ensure_future(c) for c in (
-            self.generate(session.rollout_id, turn.prompt_ids, params, turn.images), gone()))
+            self.generate(*args) if live is None else self.stream(*args, live.put), gone()))
         await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
         watch.cancel()
         if not gen.done():
@@ -225,6 +243,24 @@ class Gateway:
         room = min(self.max_model_len, session.max_tokens)
         req = await asyncio.to_thread(self._parse, wire, await self._body(request), room)
         self._check_sampling(req, session.sampling)
+        if not (req.stream and self.stream):
+            return (await self._turn(wire, sid, session, req, request))[1]
+        live = Live()  # the turn goes on, holding the session, while its reply is sent
+        live.turn = asyncio.ensure_future(self._turn(wire, sid, session, req, request, live))
+        live.turn.add_done_callback(live.end)
+        first = await live.items.get()
+        if isinstance(first, Exception):  # refused before any text came
+            raise first
+        if isinstance(first, Reply):  # no text settled before the end: sent whole
+            return self._render(wire, first, req)
+        return StreamingResponse(wire.stream(live.start, live.after(first), self.model, req),
+                                 media_type="text/event-stream")
+
+    async def _turn(self, wire, sid: str, session: Session, req, request: Request,
+                    live: "Live | None" = None):
+        """Plan, generate and record one request, holding its session: (the reply, its whole
+        response, rendered before the reply is recorded: all or nothing). `live`: where the
+        reply's text goes as it settles."""
         async with self.locks.setdefault(sid, asyncio.Lock()):
             if req.previous is not None:  # (Responses) a stored conversation, continued
                 if req.previous not in session.responses:
@@ -240,36 +276,38 @@ class Gateway:
             except Exception as e:  # the template could not render these messages
                 raise bad_request(f"cannot render these messages: {e}"[:300]) from e
             if session.is_retry(turn):
-                reply = session.last_reply
-            else:
-                if limit := session.over_limit(turn):
-                    session.truncated = limit
-                    raise bad_request(f"this episode reached its {limit} limit", "episode_limit")
-                if len(turn.prompt_ids) >= room:
-                    raise bad_request(
-                        f"the context ({len(turn.prompt_ids)} tokens) leaves no room to generate "
-                        f"within the model's {self.max_model_len} tokens",
-                        "context_length_exceeded")
-                params = {**session.sampling,
-                          "max_tokens": min(req.max_tokens or session.sampling["max_tokens"],
-                                            room - len(turn.prompt_ids)),
-                          **({"stop": req.stop} if req.stop else {}),
-                          **({"seed": req.seed} if req.seed is not None else {})}
-                gen = await self._generate(request, session, turn, params)
-                if gen is None:
-                    return JSONResponse(wire.error(bad_request("the client disconnected")), 400)
-                reply = make_reply(gen, req, len(turn.prompt_ids), self.tokenizer)
-                body = self._render(wire, reply, req)  # before recording: all or nothing
-                session.record(turn, req.messages, req.tools, gen, reply.message, reply)
-                if req.store:
-                    session.responses[response_id(reply)] = [*conversation, reply.message]
-                return body
-        return self._render(wire, reply, req)
+                return session.last_reply, self._render(wire, session.last_reply, req)
+            if limit := session.over_limit(turn):
+                session.truncated = limit
+                raise bad_request(f"this episode reached its {limit} limit", "episode_limit")
+            room = min(self.max_model_len, session.max_tokens)
+            if len(turn.prompt_ids) >= room:
+                raise bad_request(
+                    f"the context ({len(turn.prompt_ids)} tokens) leaves no room to generate "
+                    f"within the model's {self.max_model_len} tokens", "context_length_exceeded")
+            params = {**session.sampling,
+                      "max_tokens": min(req.max_tokens or session.sampling["max_tokens"],
+                                        room - len(turn.prompt_ids)),
+                      **({"stop": req.stop} if req.stop else {}),
+                      **({"seed": req.seed} if req.seed is not None else {})}
+            if live is not None:
+                live.start = Reply("", [], "", None, len(turn.prompt_ids), 0)
+            gen = await self._generate(request, session, turn, params, live)
+            if gen is None:
+                raise bad_request("the client disconnected")
+            reply = make_reply(gen, req, len(turn.prompt_ids), self.tokenizer)
+            if live is not None:
+                reply.id = live.start.id
+            body = self._render(wire, reply, req)  # before recording: all or nothing
+            session.record(turn, req.messages, req.tools, gen, reply.message, reply)
+            if req.store:
+                session.responses[response_id(reply)] = [*conversation, reply.message]
+            return reply, body
 
     def _render(self, wire, reply, req):
         if req.stream:
-            chunks = list(wire.stream(reply, self.model, req))
-            return StreamingResponse(iter(chunks), media_type="text/event-stream")
+            return StreamingResponse(wire.stream(reply, whole(reply), self.model, req),
+                                     media_type="text/event-stream")
         return JSONResponse(wire.response(reply, self.model, req))
 
     async def _models(self, sid: str, request: Request):
@@ -290,6 +328,40 @@ class Gateway:
                                  "last_id": self.model})
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "instar"}]})
+
+
+class Live:
+    """A reply streamed as it is generated: its turn (a task, which holds the session until it
+    has recorded the reply) puts pieces of the reply's text here as they settle, then the
+    Reply, or the exception that ended the turn."""
+
+    def __init__(self):
+        self.loop, self.items = asyncio.get_running_loop(), asyncio.Queue()
+        self.turn: asyncio.Task | None = None  # (the loop holds tasks weakly)
+        self.start: Reply | None = None
+        """What is known of the reply before it is generated: its id and prompt size."""
+
+    def put(self, item) -> None:  # (from any thread: the router may run on another loop)
+        self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+
+    def end(self, turn: asyncio.Task) -> None:
+        if not turn.cancelled():
+            self.put(turn.exception() or turn.result()[0])
+
+    async def after(self, first: str):
+        """`first`, the pieces after it, then the reply or the WireError that ended it."""
+        item = first
+        while isinstance(item, str):
+            yield item
+            item = await self.items.get()
+        yield item if not isinstance(item, Exception) or isinstance(item, WireError) \
+            else _internal(item)
+
+
+def _internal(e: Exception) -> WireError:
+    """A bug, logged; the client learns nothing of the internals."""
+    log.exception("the gateway failed on a request", exc_info=e)
+    return WireError(500, "api_error", "internal error")
 
 
 def _text_chars(x) -> int:

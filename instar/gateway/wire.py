@@ -3,8 +3,12 @@ OpenAI Responses API, instar/gateway/responses.py, built from the same parts).
 
 Each wire turns a request body into chat messages + tools + options (`parse`), a generation
 into the wire's response (`response`) or event stream (`stream`), and a refusal into the
-wire's own error shape (`error`). Chat messages are the Hugging Face / OpenAI form that the
-chat template renders; images (OpenAI `image_url` parts, Anthropic `image` blocks, both as
+wire's own error shape (`error`). `stream(start, items, ...)` starts from what is known before
+generating (`start`: the reply's id and prompt size) and sends on `items`: pieces of the
+reply's text as they settle (a prefix of its `text`), then the Reply, whose reasoning, rest of
+the text and tool calls (each call as one delta) end the stream; or a WireError, sent as the
+wire's error event. Chat messages are the Hugging Face / OpenAI form that the chat template
+renders; images (OpenAI `image_url` parts, Anthropic `image` blocks, both as
 base64 data) become `{"type": "image", "image": data URL}` parts (instar/agents/images.py).
 Tool calls and reasoning come parsed by the engine (instar/rollout/parsers.py); reasoning goes
 out as OpenAI `reasoning_content` and Anthropic `thinking` blocks, and comes back the same way
@@ -189,6 +193,11 @@ def _openai_parts(content: Any, vision: bool) -> Any:
             if isinstance(p, dict) and p.get("type") == "image_url" else p for p in content]
 
 
+async def whole(reply: Reply):
+    """The items of a reply streamed whole (see each wire's `stream`)."""
+    yield reply
+
+
 def sse(data: Any, event: str | None = None) -> str:
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -278,16 +287,24 @@ class OpenAIWire:
                 "usage": cls._usage(reply)}
 
     @classmethod
-    def stream(cls, reply: Reply, model: str, req: Request):
-        head = {"id": f"chatcmpl-{reply.id}", "object": "chat.completion.chunk",
+    async def stream(cls, start: Reply, items, model: str, req: Request):
+        head = {"id": f"chatcmpl-{start.id}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": model}
         chunk = lambda delta, finish=None, logprobs=None: {**head, "choices": [  # noqa: E731
             {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
         yield sse(chunk({"role": "assistant", "content": ""}))
+        shown = ""
+        async for reply in items:  # (pieces of its text first)
+            if isinstance(reply, str):
+                shown += reply
+                yield sse(chunk({"content": reply}))
+        if isinstance(reply, WireError):
+            yield sse(cls.error(reply))
+            return
         if reply.reasoning is not None:
             yield sse(chunk({"reasoning_content": reply.reasoning}))
-        if reply.text or reply.logprobs:
-            yield sse(chunk({"content": reply.text}, logprobs=cls._logprobs(reply)))
+        if reply.text[len(shown):] or reply.logprobs:
+            yield sse(chunk({"content": reply.text[len(shown):]}, logprobs=cls._logprobs(reply)))
         for i, call in enumerate(cls._calls(reply)):
             yield sse(chunk({"tool_calls": [{"index": i, **call}]}))
         yield sse(chunk({}, reply.finish))
@@ -416,22 +433,37 @@ class AnthropicWire:
                           "output_tokens": reply.completion_tokens}}
 
     @classmethod
-    def stream(cls, reply: Reply, model: str, req: Request):
-        msg = cls.response(reply, model)
+    async def stream(cls, start: Reply, items, model: str, req: Request):
+        msg = cls.response(start, model)
         yield sse({"type": "message_start", "message": {
             **msg, "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {**msg["usage"], "output_tokens": 0}}}, "message_start")
+        shown = ""  # (text shown as it came opens block 0: no reasoning came before it)
+        async for reply in items:  # (pieces of its text first)
+            if isinstance(reply, str):
+                if not shown:
+                    yield sse({"type": "content_block_start", "index": 0, "content_block": {
+                        "type": "text", "text": ""}}, "content_block_start")
+                shown += reply
+                yield sse({"type": "content_block_delta", "index": 0, "delta": {
+                    "type": "text_delta", "text": reply}}, "content_block_delta")
+        if isinstance(reply, WireError):
+            yield sse(cls.error(reply), "error")
+            return
+        msg = cls.response(reply, model)
         for i, block in enumerate(msg["content"]):
             if block["type"] == "text":
-                start, delta = {**block, "text": ""}, {"type": "text_delta", "text": block["text"]}
+                start = {**block, "text": ""}
+                delta = {"type": "text_delta", "text": block["text"][len(shown):]}
             elif block["type"] == "thinking":
                 start = {**block, "thinking": ""}
                 delta = {"type": "thinking_delta", "thinking": block["thinking"]}
             else:
                 start = {**block, "input": {}}
                 delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            yield sse({"type": "content_block_start", "index": i, "content_block": start},
-                      "content_block_start")
+            if not (shown and i == 0):
+                yield sse({"type": "content_block_start", "index": i, "content_block": start},
+                          "content_block_start")
             yield sse({"type": "content_block_delta", "index": i, "delta": delta},
                       "content_block_delta")
             yield sse({"type": "content_block_stop", "index": i}, "content_block_stop")

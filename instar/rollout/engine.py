@@ -12,7 +12,9 @@ aborted at an update (finish_reason "abort"); the caller restarts the episode. S
 bounded before a request starts, by admission control (see `Stream`), not here.
 
 Each finished generation's text is split into reasoning, reply and tool calls by the
-run's vLLM parsers (instar/rollout/parsers.py); its tokens stay as sampled.
+run's vLLM parsers (instar/rollout/parsers.py); its tokens stay as sampled. `stream` is
+`generate` as a Ray streaming generator: the reply's text as it settles, then the same
+Generation.
 
 Images (vision-language models): a request carries data URLs, one per image placeholder in
 its prompt, in order. vLLM expands each placeholder to one token per image patch group; the
@@ -25,6 +27,7 @@ import asyncio
 import os
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 
@@ -132,24 +135,26 @@ class Engine:
         self.ready = asyncio.Event()  # cleared while weights are being loaded
         self.ready.set()
 
-    async def _final(self, prompt_ids: list[int], params, request_id: str | None = None,
-                     images: list[str] = ()):
-        """Run one request to completion; its output (only the final one is built)."""
+    async def _outputs(self, prompt_ids: list[int], params, request_id: str | None = None,
+                       images: list[str] = (), live: bool = False):
+        """vLLM's outputs of one request: the final one, or (`live`) each step's too, each
+        holding all of the output so far."""
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         from instar.agents.images import decode
 
-        params.output_kind, params.flat_logprobs = RequestOutputKind.FINAL_ONLY, True
+        params.output_kind = RequestOutputKind.CUMULATIVE if live else RequestOutputKind.FINAL_ONLY
+        params.flat_logprobs = True
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if images:
             prompt = TokensPrompt(
                 prompt_token_ids=collapse(prompt_ids, self.llm.model_config.hf_config.image_token_id),
                 multi_modal_data={"image": [decode(u) for u in images]})
-        async for out in self.llm.generate(prompt, params,
-                                           request_id=request_id or uuid.uuid4().hex):
-            final = out
-        return final
+        async with aclosing(self.llm.generate(prompt, params, request_id=request_id or
+                                              uuid.uuid4().hex)) as outputs:  # (closed: aborted)
+            async for out in outputs:
+                yield out
 
     async def generate(self, prompt_ids: list[int], sampling: dict, current: int = 0,
                        images: list[str] = ()) -> Generation:
@@ -158,17 +163,34 @@ class Engine:
 
         finish_reason "placeholder": the model sampled an image placeholder token, which the
         next turn's engine and the trainer would take for an image slot: the episode fails."""
+        return [g async for g in self._generate(prompt_ids, sampling, current, images, False)][-1]
+
+    async def stream(self, prompt_ids: list[int], sampling: dict, current: int = 0,
+                     images: list[str] = ()):
+        """`generate` as a Ray streaming generator: the reply's text as it settles (str
+        deltas: what `Parsers.settled` allows), then the Generation, as `generate` returns it."""
+        async for item in self._generate(prompt_ids, sampling, current, images, True):
+            yield item
+
+    async def _generate(self, prompt_ids: list[int], sampling: dict, current: int,
+                        images: list[str], live: bool):
         from vllm import SamplingParams
 
         await self.ready.wait()  # a request that arrives during an update waits for it
         if self.version < current:
-            return Generation([], [], [], "behind", "", engine=self.engine_id)
-        rid, start, updates = uuid.uuid4().hex, self.version, []
+            yield Generation([], [], [], "behind", "", engine=self.engine_id)
+            return
+        rid, start, updates, shown = uuid.uuid4().hex, self.version, [], ""
         self.live[rid] = updates
         self.window["peak"] = max(self.window["peak"], len(self.live))
+        params = SamplingParams(**sampling, logprobs=0, skip_special_tokens=False)  # (markers kept)
         try:
-            final = await self._final(prompt_ids, SamplingParams(
-                **sampling, logprobs=0, skip_special_tokens=False), rid, images)  # (markers kept)
+            async with aclosing(self._outputs(prompt_ids, params, rid, images, live)) as outputs:
+                async for final in outputs:
+                    settled = self.parsers.settled(final.outputs[0].text) if live else ""
+                    if len(settled) > len(shown) and not final.finished:
+                        yield settled[len(shown):]
+                        shown = settled
         finally:
             del self.live[rid]
         o = final.outputs[0]
@@ -186,18 +208,18 @@ class Engine:
         routing = getattr(o, "routed_experts", None)
         finish = "placeholder" if self.placeholders.intersection(o.token_ids) else o.finish_reason
         parsed = self.parsers.parse(o.text)
-        return Generation(list(o.token_ids), [s[t].logprob for t, s in zip(o.token_ids, o.logprobs)],
-                          versions, finish, o.text, stop, self.engine_id,
-                          None if routing is None else routing.tolist(),
-                          list(final.prompt_token_ids) if images else None, parsed.reasoning,
-                          parsed.content, parsed.tool_calls, parsed.tool_call_errors)
+        yield Generation(list(o.token_ids), [s[t].logprob for t, s in zip(o.token_ids, o.logprobs)],
+                         versions, finish, o.text, stop, self.engine_id,
+                         None if routing is None else routing.tolist(),
+                         list(final.prompt_token_ids) if images else None, parsed.reasoning,
+                         parsed.content, parsed.tool_calls, parsed.tool_call_errors)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token given those before it (temperature 1; position 0 gets 0)."""
         from vllm import SamplingParams
 
-        final = await self._final(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0,
-                                                            temperature=1.0))
+        final = [o async for o in self._outputs(token_ids, SamplingParams(
+            max_tokens=1, prompt_logprobs=0, temperature=1.0))][-1]
         return [0.0] + [step[tok].logprob for tok, step in
                         zip(token_ids[1:], final.prompt_logprobs[1:])]
 

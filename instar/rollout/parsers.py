@@ -8,6 +8,8 @@ qwen3, deepseek_r1, mistral, ...), or `none` (off). Empty: detected from the cha
 (`detect`). Each engine parses its finished generations (instar/rollout/engine.py), so Env
 agents (`Action`) and ChatAgents (the gateway's wires) get the same parse and agent code never
 imports vLLM. Parsing reads the text only: the sampled tokens stay as they were sampled.
+While a completion is being generated, `settled` says how much of its reply a stream may
+already show.
 """
 
 import json
@@ -23,6 +25,11 @@ TOOL_FAMILIES = [  # (a marker in the chat template, the token it needs, the too
     ("<|python_tag|>", "<|python_tag|>", "llama3_json"),
 ]
 REASONING_FAMILIES = [("[THINK]", "[THINK]", "mistral"), ("<think>", "<think>", "qwen3")]
+CALL_STARTS = {"hermes": ["<tool_call>"], "qwen3_coder": ["<tool_call>", "<function="],
+               "mistral": ["[TOOL_CALLS]"]}
+"""Tool parsers whose reply, when calls parse, is the text before the first call (stripped),
+and what a call may begin with: a stream shows their reply as it comes (`Parsers.settled`).
+Other parsers' replies come whole at the end (llama3_json, say, reads a call at any "{")."""
 
 
 def detect(chat_template: str | None, vocab: dict[str, int]) -> tuple[str, str]:
@@ -80,6 +87,14 @@ def _call(call) -> dict | None:
         if isinstance(arguments, dict) and isinstance(call.function.name, str) else None
 
 
+def _start(text: str, marker: str) -> int:
+    """Where `marker` begins in `text`, or may begin (a part of it at the end); else len(text)."""
+    if (i := text.find(marker)) >= 0:
+        return i
+    return len(text) - next((k for k in range(len(marker) - 1, 0, -1)
+                             if text.endswith(marker[:k])), 0)
+
+
 class Parsers:
     """The run's tool and reasoning parsers for one tokenizer; `parse(text)` per completion."""
 
@@ -124,6 +139,21 @@ class Parsers:
             return None, text
         reasoning, content = r.extract_reasoning(text, self.request)
         return reasoning, content or ""
+
+    def settled(self, text: str) -> str:
+        """The start of the reply (`parse(...).content`) that no continuation of `text`, a
+        completion so far, can change: what a stream may show before the completion ends.
+        Without parsers, all of `text`; with a tool parser of CALL_STARTS, `text` up to where a
+        call may begin, less trailing space (a call strips the reply), and nothing if `text`
+        begins with a space (the same); with a reasoning parser or another tool parser, nothing
+        (where the reasoning or the reply ends is known at the end only)."""
+        if self.reasoning is not None:
+            return ""
+        if self.tool is None:
+            return text
+        if self.names[0] not in CALL_STARTS or text[:1].isspace():
+            return ""
+        return text[:min(_start(text, s) for s in CALL_STARTS[self.names[0]])].rstrip()
 
     def parse(self, text: str) -> Parsed:
         reasoning, content = self._split_reasoning(text)

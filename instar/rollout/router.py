@@ -37,6 +37,14 @@ def request_seed(seed: int, episode: str, index: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
+async def _streamed(refs, on_text):
+    """The Generation a streaming engine call ends with; each text piece before it to `on_text`."""
+    async for ref in refs:
+        if isinstance(item := await ref, str):
+            on_text(item)
+    return item
+
+
 class Router:
     def __init__(self, engines: list, versions: Versions, policy: str = POLICY,
                  hang_s: float = 120.0, seed: int = 0):
@@ -57,10 +65,11 @@ class Router:
         return self.assigned[episode]
 
     async def generate(self, episode: str, ids: list[int], sampling: dict,
-                       images: list[str] = ()):
+                       images: list[str] = (), on_text=None):
         """One turn of `episode` on its engine (`images`: data URLs, one per placeholder in
         `ids`); raises Requeue if a weight update stopped it or its engine died, EpisodeError
-        if the model sampled an image placeholder (see `Engine.generate`)."""
+        if the model sampled an image placeholder (see `Engine.generate`). `on_text`: called
+        with each piece of the reply's text as it settles (see `Engine.stream`)."""
         if self.watchdog is None and self.hang_s:
             self.watchdog = asyncio.ensure_future(self.watch())
         i = self.engine_of(episode)
@@ -69,13 +78,14 @@ class Router:
         sampling = {"seed": request_seed(self.seed, episode, n), **sampling}
         if i in self.recovering:
             await asyncio.shield(self.recovering[i])
-        ref = self.engines[i].generate.remote(ids, sampling, self.versions[self.policy], images)
+        method = self.engines[i].generate if on_text is None else self.engines[i].stream
+        call = method.remote(ids, sampling, self.versions[self.policy], images)
         try:
-            gen = await ref
+            gen = await (call if on_text is None else _streamed(call, on_text))
         except RayActorError:
             gen = None
         except asyncio.CancelledError:  # (the client went away): the engine stops generating
-            ray.cancel(ref)
+            ray.cancel(call)
             raise
         if gen is None or gen.finish_reason == "behind":  # died, or restarted with old weights
             await self._recover(i)
