@@ -124,8 +124,8 @@ def serve(cfg: Config, path: Path) -> None:
     sessions are written."""
     out, r, tokenizer = run_dir(cfg, "serve"), cfg.rollout, AutoTokenizer.from_pretrained(path)
     with engines(cfg, path) as policy:
-        gateway = Gateway(Router(policy, Versions(), hang_s=r.hang_s, seed=cfg.data.seed).generate,
-                          tokenizer, model=model_name(path),
+        generate = Router(policy, Versions(), hang_s=r.hang_s, seed=cfg.data.seed).generate
+        gateway = Gateway(generate, tokenizer, model=model_name(path), stream=generate,
                           max_model_len=r.max_model_len, max_body_mb=r.max_request_mb).start()
         try:
             sids = [gateway.open_session(f"serve-{i}", "serve", sampling(cfg), 10**6,

@@ -17,15 +17,18 @@ import openai
 from instar import ChatAgent, Result
 
 class Where(ChatAgent):
-    """One model turn through the stock SDK; says which process and gateway served it."""
+    """One model turn, streamed, through the stock SDK; says which process and gateway
+    served it and what it read."""
     timeout_s = 60.0
 
     async def run(self, ctx):
         client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key)
-        await client.chat.completions.create(model=ctx.model, messages=[
+        chunks = await client.chat.completions.create(model=ctx.model, stream=True, messages=[
             {"role": "user", "content": ctx.task.prompt}])
+        text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
         await asyncio.sleep(float(ctx.task.data.get("sleep", 0)))
-        return Result(reward=1.0, info={"pid": os.getpid(), "url": ctx.openai_base_url})
+        return Result(reward=1.0, info={"pid": os.getpid(), "url": ctx.openai_base_url,
+                                        "text": text})
 
 AgentRunner = Where
 '''
@@ -46,6 +49,10 @@ def runners(agent_file, engine, tokenizer, count=2):
 SAMPLING = {"temperature": 1.0, "max_tokens": 4}
 
 
+def clean(text: str) -> str:
+    return text.replace("\ufffd", "").strip()
+
+
 def test_two_runners_run_the_episodes_each_behind_its_own_loopback_gateway(
         agent_file, engine, tokenizer):
     r = runners(agent_file, engine, tokenizer)
@@ -60,6 +67,9 @@ def test_two_runners_run_the_episodes_each_behind_its_own_loopback_gateway(
     assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
     for s in batch.samples:  # each episode's tokens, as captured by its runner's gateway
         assert any(s.loss_mask) and len(s.logprobs) == len(s.tokens)
+        reply = tokenizer.decode([t for t, m in zip(s.tokens, s.loss_mask) if m],
+                                 skip_special_tokens=True)  # the stream read all of it:
+        assert clean(reply) == clean(s.info["text"])  # (incomplete bytes decode differently)
         assert all(v == 0 for v, m in zip(s.versions, s.loss_mask) if m)
     assert r.gateway is None  # the driver serves no HTTP
 

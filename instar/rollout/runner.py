@@ -91,10 +91,10 @@ class Rollouts:
         self.loop = start_loop()
         self.gateway = None
         if issubclass(agent_cls, ChatAgent):
-            self.gateway = Gateway(  # (its requests hop to this loop, the router's)
-                lambda *args: asyncio.wrap_future(self.submit(self.router.generate(*args))),
-                tokenizer, model=model_name, max_model_len=max_model_len,
-                max_body_mb=max_request_mb).start()
+            on_router = lambda *args: asyncio.wrap_future(  # noqa: E731
+                self.submit(self.router.generate(*args)))  # (this loop is the router's)
+            self.gateway = Gateway(on_router, tokenizer, model=model_name, stream=on_router,
+                                   max_model_len=max_model_len, max_body_mb=max_request_mb).start()
         self.judge_engines, self.judge, self.judge_router = judge_engines or [], None, None
         if judge:
             from transformers import AutoTokenizer
