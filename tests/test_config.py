@@ -178,7 +178,7 @@ FLAGS = {  # every flag of each section, as --help shows it
     "agent": "file config max-turns max-tokens timeout-s judge",
     "rollout": "group-size temperature max-tokens ignore-eos max-model-len kv-cache-gb num-engines "
                "threads tensor-parallel placement gpu-memory transport partial schedule max-staleness "
-               "on-failure max-retries preflight preflight-tol sync-check-tol hang-s max-request-mb",
+               "on-failure max-retries preflight preflight-tol sync-check-tol hang-s max-request-mb runners",
     "eval": "size every samples temperature max-tokens pass-threshold",
     "train": "steps num-ranks freeze threads-per-rank lr lr-warmup-steps lr-schedule min-lr-ratio "
              "weight-decay grad-clip micro-batch-tokens activation-checkpointing cpu-offload "
@@ -190,7 +190,7 @@ FLAGS = {  # every flag of each section, as --help shows it
             "overlong-penalty overlong-mask",
     "checkpoint": "save-final every keep resume",
     "logging": "root name progress tensorboard wandb-project rollouts-every plots print-every",
-    "cluster": "device ray-address engine-resource trainer-resource",
+    "cluster": "device ray-address engine-resource trainer-resource runner-resource",
     "serve": "sessions",
 }
 COMMAND_SECTIONS = {  # the sections each command's --help shows
