@@ -33,12 +33,12 @@ class MakeModel:
 
 
 SECTIONS = {
-    "rl": ("model", "data", "agent", "rollout", "eval", "train", "algo", "checkpoint", "logging",
-           "cluster"),
-    "sft": ("model", "data", "eval", "train", "checkpoint", "logging", "cluster"),
-    "eval": ("model", "data", "agent", "rollout", "eval", "logging", "cluster"),
-    "rollout": ("model", "data", "agent", "rollout", "logging", "cluster"),
-    "serve": ("model", "rollout", "logging", "cluster", "serve"),
+    "rl": ("model", "data", "agent", "rollout", "eval", "lora", "train", "algo", "checkpoint",
+           "logging", "cluster"),
+    "sft": ("model", "data", "eval", "lora", "train", "checkpoint", "logging", "cluster"),
+    "eval": ("model", "data", "agent", "rollout", "eval", "lora", "logging", "cluster"),
+    "rollout": ("model", "data", "agent", "rollout", "lora", "logging", "cluster"),
+    "serve": ("model", "rollout", "lora", "logging", "cluster", "serve"),
 }
 """The config sections each command reads: its flags, its --help and its --print-config. The
 other sections keep their defaults (or the recipe's values), so every setting has one flag
@@ -101,7 +101,7 @@ def parse(command: str, argv: list[str]) -> tuple[Config, bool]:
                       "--debug (errors with their traceback).")
     cfg = dataclasses.replace(cfg, **{s: getattr(parsed, s) for s in sections})
     with checks(command):
-        cfg.validate(rl=command == "rl")
+        cfg.validate(rl=command == "rl", trains=command in ("rl", "sft"))
     if known.print_config:
         print(yaml.safe_dump({s: dataclasses.asdict(getattr(cfg, s)) for s in sections},
                              sort_keys=False), end="")

@@ -189,6 +189,26 @@ class RolloutConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA: train a rank-R adapter on every module --lora.targets matches, the base model
+    frozen (PEFT on the FSDP2 ranks). Engines serve the base with the adapter (vLLM's LoRA),
+    and a weight sync moves only the adapter. 0: train every weight."""
+    alpha: float = 16.0
+    """The adapter's scale is alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (the engines sample without it)."""
+    targets: str = r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    """Regular expression for the names of the modules that get an adapter (PEFT's
+    target_modules): by default every linear layer of the decoder."""
+    merge: bool = False
+    """Also export the base with the adapter merged in, as a Hugging Face folder (final/merged)."""
+    path: str = ""
+    """A trained adapter (a PEFT folder, such as a run's final/) for the engines of instar
+    rollout, eval and serve to serve on --model.path."""
+
+
+@dataclass
 class EvalConfig:
     size: int = 64
     """Held-out tasks evaluated (`data.eval`); 0 turns eval off."""
@@ -404,6 +424,7 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -416,17 +437,25 @@ class Config:
         """Rollouts per step."""
         return self.data.prompts_per_step * self.rollout.group_size
 
-    def validate(self, rl: bool = True) -> "Config":
+    def validate(self, rl: bool = True, trains: bool | None = None) -> "Config":
         """Fill in the defaults that depend on the model (`resolved_defaults`), then refuse
         out-of-range, contradictory or silently ignored settings; each message names the flag
         to change. `rl`: the settings are for RL training (a group needs two samples for a
-        baseline; `instar rollout` and `instar eval` may take one)."""
+        baseline; `instar rollout` and `instar eval` may take one); `trains`: the command trains
+        (rl, sft; default: `rl`)."""
         for name, value in self.resolved_defaults().items():
             section, key = name.split(".")
             if getattr(getattr(self, section), key) in (None, "auto"):
                 setattr(getattr(self, section), key, value)
         self._check_ranges(rl)
         self._check_combinations()
+        trains = rl if trains is None else trains
+        if self.lora.rank and not trains:
+            raise ValueError("--lora.rank trains an adapter (instar rl, instar sft); to serve a "
+                             "trained one here, give --lora.path DIR")
+        if self.lora.path and trains:
+            raise ValueError("--lora.path serves a trained adapter (instar rollout, eval, "
+                             "serve); training starts a new one: --lora.rank R")
         self._check_ignored()
         return self
 
@@ -500,6 +529,9 @@ class Config:
             raise ValueError("--rollout.threads and --train.threads-per-rank must be >= 1")
         if r.sync_check_tol <= 0:
             raise ValueError("--rollout.sync-check-tol must be > 0")
+        if not 0 <= self.lora.rank <= 512 or not 0 <= self.lora.dropout < 1:
+            raise ValueError("--lora.rank must be in [0, 512] (vLLM serves ranks up to 512) and "
+                             "--lora.dropout in [0, 1)")
         if r.hang_s < 0 or r.max_request_mb <= 0:
             raise ValueError("--rollout.hang-s must be >= 0 (0: no watchdog) and "
                              "--rollout.max-request-mb > 0")
@@ -569,6 +601,10 @@ class Config:
         if self.checkpoint.resume and not self.logging.name:
             raise ValueError("--checkpoint.resume auto needs --logging.name: the run directory "
                              "whose checkpoints/ to continue from")
+        if self.lora.rank and r.transport != "file":
+            raise ValueError(f"--lora.rank trains an adapter, which reaches the engines through "
+                             f"Ray's object store (megabytes, any node): leave out "
+                             f"--rollout.transport {r.transport}")
         if self.algo.estimator == "on_policy_distill" and not self.algo.teacher:
             raise ValueError("--algo.estimator on_policy_distill needs --algo.teacher (an HF "
                              "folder sharing the policy's tokenizer)")
@@ -615,6 +651,11 @@ class Config:
             self._unused("cluster.engine_resource", "cluster.trainer_resource",
                          unless="--rollout.placement disaggregated (colocated engines and ranks "
                          "share bundles)")
+        if self.lora.rank == 0:
+            self._unused("lora.alpha", "lora.dropout", "lora.targets", "lora.merge",
+                         unless="--lora.rank > 0 (they shape the adapter trained)")
+        else:
+            self._unused("train.freeze", unless="--lora.rank 0 (LoRA freezes the whole base)")
         if r.runners == 0:
             self._unused("cluster.runner_resource", unless="--rollout.runners > 0")
         if self.eval.size == 0:

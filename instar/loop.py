@@ -97,6 +97,8 @@ class Run:
     """The KL coefficient now (it moves with --algo.kl-target)."""
     ticket: int = 0
     """The stream's first ticket of the next step (dynamic sampling draws more than P a step)."""
+    sync_bytes: int = 0
+    """What the latest weight sync sent each engine (LoRA: the adapter alone)."""
     history: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     failed: Counter = field(default_factory=Counter)
@@ -160,7 +162,7 @@ def setup(cfg: Config, inputs: Inputs, stack: ExitStack) -> Run:
     engine_at, rank_at, pg = place(r.placement, device, r.num_engines, t.num_ranks, r.threads,
                                    t.threads_per_rank, cfg.cluster.engine_resource,
                                    cfg.cluster.trainer_resource, tensor_parallel=r.tensor_parallel,
-                                   one_host=r.transport == "file")
+                                   one_host=r.transport == "file" and not cfg.lora.rank)
     stack.callback(release, ray.util.remove_placement_group, pg)
     run_dir.mkdir(parents=True, exist_ok=True)  # (once the cluster holds the layout)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -223,6 +225,8 @@ def begin(r: Run) -> int:
         return state["step"] + 1
     if c.checkpoint.resume:
         console.log(f"no checkpoint in {r.dir / 'checkpoints'}: starting afresh")
+    if r.trainer.lora:  # the engines serve the fresh adapter from the start (it changes nothing
+        sync(r, 0)      # yet: PEFT starts B at zero), so every token goes through it
     r.summary["eval_reward_before"] = evaluate_now(r, 0, "eval-before").get("eval/reward")
     if c.rollout.preflight:
         fresh = collect(r, r.rollouts.run(r.inputs.train_tasks[:c.rollout.preflight], 1,
@@ -265,7 +269,7 @@ def train_step(r: Run, stream: Stream, step: int) -> StepResult:
     t3 = time.time()
     return StepResult(step, batch, trained, stats, probe_diff, on_engines(r.engines, "stats"),
                       {"wait": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
-                      len(groups) + len(stream.dropped), len(stream.dropped))
+                      len(groups) + len(stream.dropped), len(stream.dropped), r.sync_bytes)
 
 
 def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], cfg: Config,
@@ -330,8 +334,9 @@ def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], c
 def sync(r: Run, version: int) -> None:
     """The trainer's weights into the engines as `version`; their probe check starts and
     becomes `r.check`. From here on the router and admission control go by `version`."""
-    reload, r.check = sync_weights(r.trainer, r.engines, r.weights, version, r.probe,
-                                   r.cfg.rollout.sync_check_tol, r.cfg.rollout.transport)
+    reload, r.check, r.sync_bytes = sync_weights(r.trainer, r.engines, r.weights, version,
+                                                 r.probe, r.cfg.rollout.sync_check_tol,
+                                                 r.cfg.rollout.transport)
     r.rollouts.publish(version, reload)  # (how an engine Ray restarts gets `version`)
 
 

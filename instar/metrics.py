@@ -38,6 +38,8 @@ class StepResult:
     """Groups the step drew (more than --data.prompts-per-step when dynamic sampling refills)."""
     filtered: int = 0
     """Groups dropped by dynamic sampling (no reward spread)."""
+    sync_bytes: int = 0
+    """What the step's weight sync sent each engine."""
 
 
 TRUNCATED = ("length", "max_tokens")
@@ -84,6 +86,7 @@ def step_metrics(r: StepResult) -> dict:
         **{f"timing/{k}_s": v for k, v in r.seconds.items()},
         "timing/step_s": sum(r.seconds.values()),
         "perf/gen_tokens_per_s": sum(s["tokens_per_s"] for s in r.engine_stats),
+        "perf/sync_bytes": r.sync_bytes,
         "prompts": [s.task_id for s in {s.group_id: s for s in sampled}.values()],  # one a group
     }
 

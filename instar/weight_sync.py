@@ -18,12 +18,14 @@ trainer has stepped they are not: the engine waits for the next sync, which link
 restarted engine before it sends (in the meantime the loop is training, not waiting on it).
 """
 
+import os
 import time
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from instar.rollout.versions import Reload
+from instar.train import lora
 from instar.train.trainer import Trainer
 
 DEADLINE_S = 900
@@ -81,24 +83,30 @@ class ProbeCheck:
 
 
 def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, probe: list[int],
-                 tol: float, transport: str = "file") -> tuple[Reload, ProbeCheck]:
+                 tol: float, transport: str = "file") -> tuple[Reload, ProbeCheck, int]:
     """Push the trainer's weights into every engine as `version`. Returns how an engine that
-    restarts later gets them (see the module docstring) and the engines' probe check, already
-    running: wait for it before the new weights' tokens are trained on or evaluated."""
-    if transport == "file":  # each rank's shards through `folder` (RAM), into reload_weights
-        paths = trainer.save_shards(folder)
-        loads = [e.load_weights.remote(paths, version) for e in engines]
+    restarts later gets them (see the module docstring), the engines' probe check, already
+    running (wait for it before the new weights' tokens are trained on or evaluated), and
+    the bytes sent to each engine."""
+    if trainer.lora or transport == "file":
+        if trainer.lora:  # only the adapter, through Ray's object store (any node)
+            adapter = trainer.adapter()
+            method, payload, size = "load_adapter", ray.put(adapter), lora.num_bytes(adapter)
+        else:  # each rank's shards through `folder` (RAM), into reload_weights
+            method, payload = "load_weights", trainer.save_shards(folder)
+            size = sum(os.path.getsize(p) for p in payload)
+        loads = [getattr(e, method).remote(payload, version) for e in engines]
         expected = trainer.probe(probe)  # while the engines load
-        on_engines(engines, "load_weights", paths, version, refs=loads)  # (a restarted one too)
+        on_engines(engines, method, payload, version, refs=loads)  # (a restarted one too)
 
         async def reload(i: int) -> bool:
-            await engines[i].load_weights.remote(paths, version)
+            await getattr(engines[i], method).remote(payload, version)
             return True
     else:  # device to device: NCCL or CUDA IPC
         trainer.link(on_engines(engines, "incarnation"))  # (a restarted engine: linked anew)
         ray.get([e.pause.remote(version) for e in engines])
         try:
-            trainer.send_weights(version)
+            size = trainer.send_weights(version)
         finally:
             ray.get([e.resume.remote(version) for e in engines])
         expected = trainer.probe(probe)
@@ -111,4 +119,4 @@ def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, pro
                 await ref
             await engines[i].resume.remote(version)  # it holds `version` from now on
             return True
-    return reload, ProbeCheck(engines, probe, expected, tol)
+    return reload, ProbeCheck(engines, probe, expected, tol), size

@@ -104,6 +104,13 @@ def changed(**settings) -> Config:
      "--model.path is empty"),
     (dict(model__path="ckpt/", model__seed=1), "--model.seed 1 has no effect"),
     (dict(model__path="ckpt/", model__kind="moe"), "--model.kind moe has no effect"),
+    (dict(lora__rank=1000), "--lora.rank must be in [0, 512]"),
+    (dict(lora__alpha=8.0), "--lora.alpha 8.0 has no effect unless --lora.rank > 0"),
+    (dict(lora__rank=8, train__freeze=["embed"]), "--train.freeze ['embed'] has no effect unless "
+     "--lora.rank 0"),
+    (dict(lora__rank=8, lora__path="adapter/"), "--lora.path serves a trained adapter"),
+    (dict(lora__rank=8, cluster__device="cuda", rollout__placement="disaggregated",
+          rollout__transport="nccl"), "leave out --rollout.transport nccl"),
 ])
 def test_validate_names_the_flag(settings, flag):
     with pytest.raises(ValueError, match=re.escape(flag)):
@@ -129,6 +136,8 @@ def test_validate_names_the_flag(settings, flag):
     dict(model__path="ckpt/", model__dtype="bfloat16"),
     dict(cluster__device="cuda", rollout__placement="disaggregated", rollout__tensor_parallel=2,
          rollout__transport="nccl"),
+    dict(lora__rank=16, lora__alpha=32.0, lora__dropout=0.05, lora__targets=r".*\.q_proj",
+         lora__merge=True),
 ])
 def test_settings_that_count_are_accepted(settings):
     changed(**settings).validate()
@@ -180,6 +189,7 @@ FLAGS = {  # every flag of each section, as --help shows it
                "threads tensor-parallel placement gpu-memory transport partial schedule max-staleness "
                "on-failure max-retries preflight preflight-tol sync-check-tol hang-s max-request-mb runners",
     "eval": "size every samples temperature max-tokens pass-threshold",
+    "lora": "rank alpha dropout targets merge path",
     "train": "steps num-ranks freeze threads-per-rank lr lr-warmup-steps lr-schedule min-lr-ratio "
              "weight-decay grad-clip micro-batch-tokens activation-checkpointing cpu-offload "
              "master-dtype routing-replay warmup-sft-steps warmup-sft-lr warmup-sft-batch",
@@ -194,11 +204,11 @@ FLAGS = {  # every flag of each section, as --help shows it
     "serve": "sessions",
 }
 COMMAND_SECTIONS = {  # the sections each command's --help shows
-    "rl": "model data agent rollout eval train algo checkpoint logging cluster",
-    "sft": "model data eval train checkpoint logging cluster",
-    "eval": "model data agent rollout eval logging cluster",
-    "rollout": "model data agent rollout logging cluster",
-    "serve": "model rollout logging cluster serve",
+    "rl": "model data agent rollout eval lora train algo checkpoint logging cluster",
+    "sft": "model data eval lora train checkpoint logging cluster",
+    "eval": "model data agent rollout eval lora logging cluster",
+    "rollout": "model data agent rollout lora logging cluster",
+    "serve": "model rollout lora logging cluster serve",
 }
 
 
@@ -424,3 +434,13 @@ def test_eval_exits_nonzero_when_every_episode_failed(monkeypatch):
     monkeypatch.setattr(instar.jobs, "evaluate_model", lambda cfg, inputs: {"tasks": 2, "failed": {
         "timeout": 1}})
     main(["eval", "--eval.samples", "2"])  # 1 of 4 failed: exit 0
+
+
+@pytest.mark.parametrize("command, flags, error", [
+    ("rollout", ["--lora.rank", "8"], "--lora.rank trains an adapter (instar rl, instar sft)"),
+    ("rl", ["--lora.path", "adapter/"], "--lora.path serves a trained adapter"),
+])
+def test_lora_flags_belong_to_their_commands(command, flags, error, capsys):
+    with pytest.raises(SystemExit):
+        main([command, *flags])
+    assert error in capsys.readouterr().err

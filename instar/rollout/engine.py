@@ -4,7 +4,9 @@ Every request is token ids in and token ids out, so the sampled text is never re
 Each result carries the behaviour log-prob of every generated token (after temperature)
 and the weight version that produced it.
 
-`load_weights` swaps in the trainer's weights without restarting the engine. With partial
+`load_weights` swaps in the trainer's weights without restarting the engine. With LoRA
+(`lora_rank`), `load_adapter` swaps the adapter instead and pauses nothing: requests in flight
+finish on the adapter they started with, all their tokens at its version. With partial
 rollout (the default) requests in flight are paused, kept, and resumed on the new weights
 (their KV cache is recomputed), so the tokens of one request may carry two versions, split
 at the token where the update happened. With `partial=False` every request in flight is
@@ -25,10 +27,14 @@ before vLLM expands them again, identically.
 
 import asyncio
 import os
+import shutil
 import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from instar.processes import scratch_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +82,9 @@ class Engine:
                  threads: int, seed: int, engine_id: int = 0, partial: bool = True,
                  capture_routing: bool = False, tensor_parallel: int = 1,
                  gpu_memory_utilization: float = 0.9, transport: str = "file", nice: int = 0,
-                 tool_parser: str = "", reasoning_parser: str = ""):
+                 tool_parser: str = "", reasoning_parser: str = "", lora_rank: int = 0):
         from instar.rollout.parsers import Parsers, check
+        from instar.train.lora import engine_rank
 
         check(tool_parser, reasoning_parser)  # (before the model loads)
         for thread in os.listdir("/proc/self/task") if nice else ():  # (nice is per thread)
@@ -116,7 +123,10 @@ class Engine:
             tensor_parallel_size=tensor_parallel,
             distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
             gpu_memory_utilization=gpu_memory_utilization,
-            weight_transfer_config=None if transport == "file" else {"backend": transport})
+            weight_transfer_config=None if transport == "file" else {"backend": transport},
+            # LoRA: the adapter of the current version and those requests in flight still use
+            enable_lora=bool(lora_rank), max_lora_rank=engine_rank(lora_rank or 1), max_loras=2,
+            max_cpu_loras=4)
         self.llm = AsyncLLM.from_engine_args(args)
         self.parsers = Parsers(self.llm.tokenizer, tool_parser, reasoning_parser)
         hf = self.llm.model_config.hf_config
@@ -134,6 +144,8 @@ class Engine:
         self.finished_tokens = 0  # (for `progress`)
         self.ready = asyncio.Event()  # cleared while weights are being loaded
         self.ready.set()
+        self.lora = None  # the adapter new requests get (LoRA), as a vLLM LoRARequest
+        self.adapters = scratch_dir()  # (LoRA: each version's adapter, as vLLM reads it)
 
     async def _outputs(self, prompt_ids: list[int], params, request_id: str | None = None,
                        images: list[str] = (), live: bool = False):
@@ -152,7 +164,8 @@ class Engine:
                 prompt_token_ids=collapse(prompt_ids, self.llm.model_config.hf_config.image_token_id),
                 multi_modal_data={"image": [decode(u) for u in images]})
         async with aclosing(self.llm.generate(prompt, params, request_id=request_id or
-                                              uuid.uuid4().hex)) as outputs:  # (closed: aborted)
+                                              uuid.uuid4().hex, lora_request=self.lora)) as outputs:
+            # (closed: aborted)
             async for out in outputs:
                 yield out
 
@@ -259,6 +272,21 @@ class Engine:
         finally:
             await self.resume(version)
 
+    async def load_adapter(self, adapter: dict, version: int) -> None:
+        """LoRA: serve `adapter` (instar/train/lora.py) as `version` to every request from
+        now on; requests in flight keep theirs (see the module docstring)."""
+        from vllm.lora.request import LoRARequest
+
+        from instar.train import lora
+
+        folder = lora.write(adapter, Path(self.adapters) / f"v{version}")
+        request = LoRARequest(f"v{version}", version + 1, str(folder))  # (ids start at 1)
+        await self.llm.add_lora(request)  # loaded now, not on the first request
+        self.lora, self.version = request, version
+        for old in Path(self.adapters).glob("v*"):  # vLLM keeps those it serves in memory
+            if int(old.name[1:]) < version - 4:
+                shutil.rmtree(old, ignore_errors=True)
+
     def incarnation(self) -> str:
         """This life of the engine (Ray restarts a dead one in a new worker process): a GPU
         transport's link is to one incarnation; the trainer links a new one again."""
@@ -297,6 +325,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        shutil.rmtree(self.adapters, ignore_errors=True)
 
 
 ENGINE_RESTARTS = 3

@@ -3,30 +3,42 @@ all start the same way."""
 
 from pathlib import Path
 
+import ray
+
 from instar.config import Config
 from instar.hub import model_name, resolve_model
 from instar.progress import status
-from instar.rollout.engine import launch
+from instar.rollout.engine import launch, stop_engines
 from instar.rollout.parsers import check
 from instar.rollout.runner import Rollouts
 from instar.rollout.runners import Runners
 from instar.tasks.reverse_data import AGENT_FILE
+from instar.train import lora
 
 
 def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | None = None,
                   **options) -> list:
     """`--rollout.num-engines` engines on `model_path` (Ray must be up); `options` go to
     `Engine` (partial rollout, routing capture, the GPU transport). Parser names the run gives
-    are checked first."""
+    are checked first. LoRA: the engines take adapters up to --lora.rank; with --lora.path
+    they serve that adapter (as version 0)."""
     r, m = cfg.rollout, cfg.model
     check(m.tool_parser, m.reasoning_parser)
+    adapter = lora.read(cfg.lora.path) if cfg.lora.path else None
     with status(f"starting {r.num_engines} vLLM engine{'s' * (r.num_engines > 1)}"):
-        return launch(str(model_path), device=cfg.cluster.device, dtype=cfg.model.dtype,
-                      max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
-                      threads=r.threads, seed=cfg.data.seed, count=r.num_engines,
-                      placement=placement, tensor_parallel=r.tensor_parallel,
-                      gpu_memory_utilization=r.gpu_memory, tool_parser=m.tool_parser,
-                      reasoning_parser=m.reasoning_parser, **options)
+        engines = launch(str(model_path), device=cfg.cluster.device, dtype=cfg.model.dtype,
+                         max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
+                         threads=r.threads, seed=cfg.data.seed, count=r.num_engines,
+                         placement=placement, tensor_parallel=r.tensor_parallel,
+                         gpu_memory_utilization=r.gpu_memory, tool_parser=m.tool_parser,
+                         reasoning_parser=m.reasoning_parser,
+                         lora_rank=adapter["config"]["r"] if adapter else cfg.lora.rank, **options)
+    try:  # (vLLM may refuse the adapter: the engines end with the error)
+        ray.get([e.load_adapter.remote(adapter, 0) for e in engines if adapter])
+    except BaseException:
+        stop_engines(engines)
+        raise
+    return engines
 
 
 def sampling(cfg: Config) -> dict:

@@ -22,7 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 
 def rng_state() -> dict:
@@ -38,6 +42,15 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trained_state_dict(model, optimizer) -> tuple[dict, dict]:
+    """The model's trained weights (sharded) and the optimizer's state. Frozen weights (a LoRA
+    base, --train.freeze, a tied embedding's second name) are left out: they are the starting
+    checkpoint's, which the trainer loads before it resumes."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in trained}, optim_sd
 
 
 def _fsync(path: Path) -> None:
@@ -69,7 +82,7 @@ def save(root: Path, step: int, model, optimizer, state: dict, keep: int) -> Pat
         tmp.mkdir(parents=True)
         torch.save(state, tmp / "state.pt")
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = trained_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     torch.save(rng_state(), tmp / f"rng-{rank}.pt")
     dist.barrier()
@@ -102,10 +115,12 @@ def latest(root: Path) -> Path | None:
 
 def load(path: Path, model, optimizer) -> dict:
     """Restore the model, the optimizer and this rank's RNG in place; return the `state`."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = trained_state_dict(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                   options=StateDictOptions(strict=False))
+    # (not strict: the frozen weights are left out; `dcp.load` fails if a trained one is missing)
     rng = path / f"rng-{dist.get_rank()}.pt"
     if rng.exists():  # absent for ranks beyond the world size that saved
         set_rng_state(torch.load(rng))

@@ -44,8 +44,9 @@ from transformers import (
 )
 
 from instar.agents.images import decode
-from instar.config import AlgoConfig
+from instar.config import AlgoConfig, LoraConfig
 from instar.train import checkpoint
+from instar.train import lora as adapters
 from instar.train.batch import EMPTY, PER_TOKEN, Sequence
 from instar.train.losses import (
     combine,
@@ -101,13 +102,15 @@ def join(device: str) -> None:
 class Rank:
     """One rank's shard of a model and its optimizer; the process group must be up.
     `head="value"` makes it a critic (one value per token); with every parameter frozen it
-    is a reference or a teacher (log-probs only, no optimizer)."""
+    is a reference or a teacher (log-probs only, no optimizer). With `lora` (rank > 0) only
+    a LoRA adapter trains, on the frozen base, and only the adapter goes to the engines."""
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32",
                  threads: int = 1, lr: float = 1e-3, weight_decay: float = 0.0,
                  freeze: tuple[str, ...] = (), head: str = "lm",
                  activation_checkpointing: bool = False, cpu_offload: bool = False,
-                 master_dtype: str = "float32", routing_replay: bool = False, seed: int = 0):
+                 master_dtype: str = "float32", routing_replay: bool = False, seed: int = 0,
+                 lora: LoraConfig | None = None):
         torch.set_num_threads(threads)
         torch.manual_seed(seed)  # what the checkpoint lacks (a critic's value head) starts alike
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -126,6 +129,10 @@ class Rank:
         for name, p in model.named_parameters():
             if any(re.search(pattern, name) for pattern in freeze):
                 p.requires_grad_(False)
+        self.lora = lora if lora and lora.rank else None
+        if self.lora:  # (before sharding: PEFT swaps the target modules for adapted ones)
+            model = adapters.wrap(model, lora)
+        inner = model.get_base_model() if self.lora else model
         if activation_checkpointing:  # recompute each decoder layer in the backward
             model.gradient_checkpointing_enable({"use_reentrant": False})
         # MoE: each router's top-k replays the engine's recorded choices, when a batch has them
@@ -137,7 +144,7 @@ class Rank:
         # reduce-scatters the summed gradients once. GPUs: FSDP2's memory-lean defaults, one
         # layer unsharded at a time and gradients reduce-scattered after every micro-batch.
         self.gather_once = self.device.type == "cpu"
-        for layer in getattr(model.model, "language_model", model.model).layers:
+        for layer in getattr(inner.model, "language_model", inner.model).layers:
             fully_shard(layer, mp_policy=mixed, reshard_after_forward=not self.gather_once,
                         **offload)
         fully_shard(model, mp_policy=mixed, **offload)
@@ -147,8 +154,9 @@ class Rank:
         self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay) if trainable else None
         # Engines start from the same checkpoint, so only what training changes is synced.
         changing = {sync_unit(n) for n, p in model.named_parameters() if p.requires_grad}
-        self.sync_names = [n for n in model.state_dict() if sync_unit(n) in changing
-                           and not (self.tied and n == "lm_head.weight")]
+        self.sync_names = [n for n, p in model.named_parameters() if p.requires_grad] \
+            if self.lora else [n for n in model.state_dict() if sync_unit(n) in changing
+                               and not (self.tied and n == "lm_head.weight")]
 
     def _batch(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         """Right-padded tensors: tokens, attn, mask and each per-token field the sequences have."""
@@ -261,6 +269,16 @@ class Rank:
         atomic_save(out, path)
         return str(path)
 
+    def adapter(self) -> dict | None:
+        """LoRA: the adapter, whole, in the engines' dtype (see instar/train/lora.py), for
+        rank 0; every rank must call (each tensor is gathered)."""
+        params = dict(self.model.named_parameters())
+        tensors = {adapters.saved_name(n): (p.full_tensor() if isinstance(p, DTensor) else p)
+                   .detach().to("cpu", self.dtype).contiguous() for n in self.sync_names
+                   for p in [params[n]]}
+        return {"config": adapters.adapter_config(self.model), "tensors": tensors} \
+            if self.rank == 0 else None
+
     def save_checkpoint(self, root: str, step: int, state: dict, keep: int) -> str:
         """Model, optimizer, RNG and the caller's `state`, sharded, atomically (every rank)."""
         return str(checkpoint.save(Path(root), step, self.model, self.opt, state, keep))
@@ -312,8 +330,9 @@ class Rank:
         self.transfers[engine] = self._transfer([self.engines[engine]])
 
     @torch.no_grad()
-    def send_weights(self, engine: int | None = None) -> None:
-        """The weights to every engine, or to `engine` only (every rank calls)."""
+    def send_weights(self, engine: int | None = None) -> int:
+        """The weights to every engine, or to `engine` only (every rank calls); the bytes
+        each engine gets."""
         if engine is not None:
             self.transfers[engine].send_weights()
         elif self.everyone is not None:
@@ -321,6 +340,7 @@ class Rank:
         else:
             for i in sorted(self.transfers):  # (in one order on every rank: they gather)
                 self.transfers[i].send_weights()
+        return sum(t.numel() for t in self.model.state_dict().values()) * self.dtype.itemsize
 
     def shutdown(self) -> None:
         dist.destroy_process_group()

@@ -18,11 +18,12 @@ import threading
 from pathlib import Path
 
 import ray
+import torch
 from ray.util.queue import Queue
 
 from instar.cluster import init_process_group, rendezvous
 from instar.config import AlgoConfig, Config
-from instar.train import checkpoint
+from instar.train import checkpoint, lora
 from instar.train.batch import Sequence, shard
 from instar.train.losses import combine
 from instar.train.rank import Rank
@@ -58,7 +59,9 @@ class Trainer:
                        cpu_offload=t.cpu_offload,
                        master_dtype=cfg.model.dtype if frozen else t.master_dtype,
                        routing_replay=t.routing_replay and head == "lm" and not frozen,
-                       seed=cfg.data.seed)
+                       seed=cfg.data.seed, lora=cfg.lora if head == "lm" and not frozen else None)
+        self.lora = bool(options["lora"] and cfg.lora.rank)
+        """Only a LoRA adapter trains, and only it goes to the engines (`adapter`)."""
         actor = ray.remote(TrainWorker)
         self.workers = [actor.options(**(placement[r] if placement else default),
                                       runtime_env=RANK_ENV)
@@ -120,6 +123,10 @@ class Trainer:
         """Each rank writes its shards of the weights that training changes; the files."""
         return ray.get(self._submit("save_shard", folder))
 
+    def adapter(self) -> dict:
+        """LoRA: the adapter as it is now (instar/train/lora.py), gathered from the ranks."""
+        return ray.get(self._submit("adapter"))[0]
+
     def save_checkpoint(self, root: Path, step: int, state: dict, keep: int) -> None:
         ray.get(self._submit("save_checkpoint", str(root), step, state, keep))
 
@@ -140,12 +147,12 @@ class Trainer:
             refs = [ref for i, inc in enumerate(incarnations) for ref in self._relink(i, inc)]
         ray.get(refs)
 
-    def send_weights(self, version: int) -> None:
-        """Send the ranks' weights to every linked engine, as `version`."""
+    def send_weights(self, version: int) -> int:
+        """Send the ranks' weights to every linked engine, as `version`; the bytes each gets."""
         with self.lock:
             self.sent = version
             refs = [w.send_weights.remote() for w in self.workers]
-        ray.get(refs)
+        return ray.get(refs)[0]
 
     def resend(self, engine: int, incarnation: str, version: int) -> list | None:
         """Send `version` to engine `engine` alone (an engine Ray restarted: it is linked
@@ -169,7 +176,11 @@ class Trainer:
         ray.get(self._submit("save_weights", path))
 
     def export(self, base: Path, out: Path) -> None:
-        """Write an HF folder: the base model's config and tokenizer with the current weights."""
+        """Write an HF folder: the base model's config and tokenizer with the current weights;
+        LoRA: a PEFT adapter folder on `base` (and, with --lora.merge, out/merged)."""
+        if self.lora:
+            return lora.export(self.adapter(), base, out, self.cfg.lora.merge,
+                               getattr(torch, self.cfg.model.dtype))
         checkpoint.export_hf(base, out, self.save_weights)
 
     def shutdown(self) -> None:
