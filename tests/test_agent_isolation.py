@@ -34,7 +34,7 @@ class FakeEngine:
         self.ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
         self.generate = SimpleNamespace(remote=self._generate)
 
-    async def _generate(self, ids, sampling, version, images=()):
+    async def _generate(self, ids, sampling, version, images=(), policy="policy"):
         # the Router and Ray futures live on the rollout loop (the gateway's calls hop to it)
         assert threading.current_thread().name == "rollouts"
         if self.fail:

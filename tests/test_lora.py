@@ -25,9 +25,18 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.fixture(scope="module")
 def lora_engine(ray_session, tiny_model):
     (engine,) = launch(str(tiny_model), device="cpu", dtype="float32", max_model_len=512,
-                       kv_cache_gb=1, threads=1, seed=0, lora_rank=8)
+                       kv_cache_gb=1, threads=1, seed=0, lora_rank=8,
+                       lora_targets=list(TARGETS))
     yield engine
     stop_engines([engine])
+
+
+def test_engines_wrap_the_targeted_modules_and_never_lm_head(tiny_model):
+    assert lora.engine_modules(str(tiny_model), Config().lora.targets) == sorted(TARGETS)
+    assert lora.engine_modules(str(tiny_model), ["model.layers.0.mlp.up_proj"]) == ["up_proj"]
+    for targets in (r".*(lm_head|q_proj)", r".*\.no_such_proj"):
+        with pytest.raises(ValueError, match="--lora.targets"):
+            lora.engine_modules(str(tiny_model), targets)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +64,11 @@ def samples(engine, tokenizer, version: int) -> list[Sequence]:
         seqs.append(Sequence(prompt + g.token_ids, [False] * len(prompt) + [True] * len(g.token_ids),
                              [0.0] * (len(prompt) + len(g.token_ids))))
     return seqs
+
+
+def held(engine) -> int:
+    """The version of the run's adapter the engine serves."""
+    return ray.get(engine.__ray_call__.remote(lambda e: e.loras["policy"][1]))
 
 
 def adapter_bytes(model_path) -> int:
@@ -89,17 +103,18 @@ def test_engine_follows_the_trainer_through_syncs_that_send_only_the_adapter(
 
 def test_an_adapter_update_leaves_requests_in_flight_on_their_own_adapter(
         lora_engine, lora_trainer, tokenizer):
-    engine, version = lora_engine, ray.get(lora_engine.__ray_call__.remote(lambda e: e.version))
+    engine, version, adapter = lora_engine, held(lora_engine), lora_trainer.adapter()
     long = engine.generate.remote(chat(tokenizer, "Reverse: abc"),
-                                  {"temperature": 1.0, "max_tokens": 300, "ignore_eos": True})
+                                  {"temperature": 1.0, "max_tokens": 450, "ignore_eos": True},
+                                  version)
     while ray.get(engine.progress.remote())[1] == 0:  # (until it is generating)
         pass
-    adapter = lora_trainer.adapter()
     ray.get(engine.load_adapter.remote(adapter, version + 1))  # the same weights, a new version
     assert ray.get(engine.progress.remote())[0] == 1  # still in flight when the update landed
     g = ray.get(long)
     assert g.finish_reason == "length" and set(g.versions) == {version}
-    later = ray.get(engine.generate.remote(chat(tokenizer, "Reverse: ab"), {"max_tokens": 4}))
+    later = ray.get(engine.generate.remote(chat(tokenizer, "Reverse: ab"), {"max_tokens": 4},
+                                           version + 1))
     assert set(later.versions) == {version + 1}
 
 
@@ -134,8 +149,7 @@ def test_the_exported_adapter_gives_the_trainers_logprobs_in_peft_vllm_and_merge
 def test_resume_is_exact_and_checkpoints_hold_only_the_adapter(lora_trainer, lora_engine,
                                                                 tokenizer, tmp_path):
     trainer, probe = lora_trainer, chat(tokenizer, "Reverse: mnop")
-    seqs = samples(lora_engine, tokenizer, ray.get(lora_engine.__ray_call__.remote(
-        lambda e: e.version)))
+    seqs = samples(lora_engine, tokenizer, held(lora_engine))
     trainer.step(seqs, "sft", lr=3e-2)
     trainer.save_checkpoint(tmp_path, 1, {"step": 1}, keep=1)
     trainer.step(seqs, "sft", lr=3e-2)  # (AdamW's state matters: its second step differs)
@@ -158,3 +172,27 @@ def test_instar_rl_with_lora_syncs_the_adapter_and_exports_it(ray_session, tmp_p
     summary = json.loads((run / "summary.json").read_text())
     assert summary["preflight_abs_logprob_diff"] < 1e-3
     assert lora.read(run / "final")["config"]["r"] == 8
+
+
+def test_two_adapters_served_at_once_keep_their_own_versions_and_requests(
+        lora_engine, lora_trainer, tokenizer):
+    """Multi-LoRA on one engine: each policy's requests get its adapter and version, and an
+    update of one policy leaves the other's requests in flight as they were."""
+    engine, a = lora_engine, lora_trainer.adapter()
+    b = {**a, "tensors": {k: 3 * t for k, t in a["tensors"].items()}}
+    ray.get([engine.load_adapter.remote(a, 5, "a"), engine.load_adapter.remote(b, 0, "b")])
+    probe = chat(tokenizer, "Reverse: abc") + tokenizer.encode("cba")
+    on_a, on_b = ray.get([engine.prompt_logprobs.remote(probe, p) for p in "ab"])
+    assert max(abs(x - y) for x, y in zip(on_a[1:], on_b[1:])) > 1e-2
+    long = engine.generate.remote(chat(tokenizer, "Reverse: abc"), {"max_tokens": 450,
+                                  "ignore_eos": True}, 5, (), "a")
+    while ray.get(engine.progress.remote())[1] == 0:
+        pass
+    ray.get(engine.load_adapter.remote(a, 1, "b"))  # b's update, while a's request runs
+    behind = ray.get(engine.generate.remote(chat(tokenizer, "x"), {"max_tokens": 2}, 2, (), "b"))
+    assert behind.finish_reason == "behind"  # b holds version 1, the caller wants 2
+    g = ray.get(long)
+    assert g.finish_reason == "length" and set(g.versions) == {5}
+    assert ray.get(engine.prompt_logprobs.remote(probe, "b")) == \
+        pytest.approx(on_a, abs=1e-5)  # b now serves a's weights
+    assert ray.get(engine.prompt_logprobs.remote(probe, "a")) == pytest.approx(on_a, abs=1e-6)

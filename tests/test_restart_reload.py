@@ -40,7 +40,7 @@ class Restarted:
     def __init__(self):
         self.version = 0
         self.__ray_ready__ = Call(lambda: True)
-        self.generate = Call(lambda ids, sampling, current, images: Generation(
+        self.generate = Call(lambda ids, sampling, current, images, policy: Generation(
             [], [], [], "behind" if self.version < current else "stop", ""))
 
 

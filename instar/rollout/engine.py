@@ -5,8 +5,10 @@ Each result carries the behaviour log-prob of every generated token (after tempe
 and the weight version that produced it.
 
 `load_weights` swaps in the trainer's weights without restarting the engine. With LoRA
-(`lora_rank`), `load_adapter` swaps the adapter instead and pauses nothing: requests in flight
-finish on the adapter they started with, all their tokens at its version. With partial
+(`lora_rank`), `load_adapter` swaps a policy's adapter instead and pauses nothing: requests in
+flight finish on the adapter they started with, all their tokens at its version. The engine
+serves several adapters at once (multi-LoRA), each a policy with its own version: a request
+names its policy, and one adapter's update leaves the others' requests alone. With partial
 rollout (the default) requests in flight are paused, kept, and resumed on the new weights
 (their KV cache is recomputed), so the tokens of one request may carry two versions, split
 at the token where the update happened. With `partial=False` every request in flight is
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from instar.processes import scratch_dir
+from instar.rollout.versions import POLICY
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +85,10 @@ class Engine:
                  threads: int, seed: int, engine_id: int = 0, partial: bool = True,
                  capture_routing: bool = False, tensor_parallel: int = 1,
                  gpu_memory_utilization: float = 0.9, transport: str = "file", nice: int = 0,
-                 tool_parser: str = "", reasoning_parser: str = "", lora_rank: int = 0):
+                 tool_parser: str = "", reasoning_parser: str = "", lora_rank: int = 0,
+                 lora_targets: str | list[str] = "", adapters: int = 1):
         from instar.rollout.parsers import Parsers, check
-        from instar.train.lora import engine_rank
+        from instar.train.lora import engine_modules, engine_rank
 
         check(tool_parser, reasoning_parser)  # (before the model loads)
         for thread in os.listdir("/proc/self/task") if nice else ():  # (nice is per thread)
@@ -124,9 +128,10 @@ class Engine:
             distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
             gpu_memory_utilization=gpu_memory_utilization,
             weight_transfer_config=None if transport == "file" else {"backend": transport},
-            # LoRA: the adapter of the current version and those requests in flight still use
-            enable_lora=bool(lora_rank), max_lora_rank=engine_rank(lora_rank or 1), max_loras=2,
-            max_cpu_loras=4)
+            # LoRA: each policy's current adapter and those requests in flight still use
+            enable_lora=bool(lora_rank), max_lora_rank=engine_rank(lora_rank or 1),
+            max_loras=2 * adapters, max_cpu_loras=4 * adapters,
+            lora_target_modules=engine_modules(model_path, lora_targets) if lora_rank else None)
         self.llm = AsyncLLM.from_engine_args(args)
         self.parsers = Parsers(self.llm.tokenizer, tool_parser, reasoning_parser)
         hf = self.llm.model_config.hf_config
@@ -144,11 +149,13 @@ class Engine:
         self.finished_tokens = 0  # (for `progress`)
         self.ready = asyncio.Event()  # cleared while weights are being loaded
         self.ready.set()
-        self.lora = None  # the adapter new requests get (LoRA), as a vLLM LoRARequest
+        self.loras: dict[str, tuple[object, int]] = {}
+        """LoRA: each policy's adapter (a vLLM LoRARequest) and its version."""
+        self.lora_ids = 0
         self.adapters = scratch_dir()  # (LoRA: each version's adapter, as vLLM reads it)
 
     async def _outputs(self, prompt_ids: list[int], params, request_id: str | None = None,
-                       images: list[str] = (), live: bool = False):
+                       images: list[str] = (), live: bool = False, lora=None):
         """vLLM's outputs of one request: the final one, or (`live`) each step's too, each
         holding all of the output so far."""
         from vllm import TokensPrompt
@@ -164,41 +171,43 @@ class Engine:
                 prompt_token_ids=collapse(prompt_ids, self.llm.model_config.hf_config.image_token_id),
                 multi_modal_data={"image": [decode(u) for u in images]})
         async with aclosing(self.llm.generate(prompt, params, request_id=request_id or
-                                              uuid.uuid4().hex, lora_request=self.lora)) as outputs:
+                                              uuid.uuid4().hex, lora_request=lora)) as outputs:
             # (closed: aborted)
             async for out in outputs:
                 yield out
 
     async def generate(self, prompt_ids: list[int], sampling: dict, current: int = 0,
-                       images: list[str] = ()) -> Generation:
-        """`current`: the run's current version (a restarted engine may not have it yet);
-        `images`: data URLs, one per image placeholder in the prompt.
+                       images: list[str] = (), policy: str = POLICY) -> Generation:
+        """`current`: the run's current version of `policy` (a restarted engine may not have
+        it yet); `images`: data URLs, one per image placeholder in the prompt.
 
         finish_reason "placeholder": the model sampled an image placeholder token, which the
         next turn's engine and the trainer would take for an image slot: the episode fails."""
-        return [g async for g in self._generate(prompt_ids, sampling, current, images, False)][-1]
+        return [g async for g in self._generate(prompt_ids, sampling, current, images, False,
+                                                policy)][-1]
 
     async def stream(self, prompt_ids: list[int], sampling: dict, current: int = 0,
-                     images: list[str] = ()):
+                     images: list[str] = (), policy: str = POLICY):
         """`generate` as a Ray streaming generator: the reply's text as it settles (str
         deltas: what `Parsers.settled` allows), then the Generation, as `generate` returns it."""
-        async for item in self._generate(prompt_ids, sampling, current, images, True):
+        async for item in self._generate(prompt_ids, sampling, current, images, True, policy):
             yield item
 
     async def _generate(self, prompt_ids: list[int], sampling: dict, current: int,
-                        images: list[str], live: bool):
+                        images: list[str], live: bool, policy: str):
         from vllm import SamplingParams
 
         await self.ready.wait()  # a request that arrives during an update waits for it
-        if self.version < current:
+        lora, start = self.loras.get(policy, (None, self.version))
+        if start < current:
             yield Generation([], [], [], "behind", "", engine=self.engine_id)
             return
-        rid, start, updates, shown = uuid.uuid4().hex, self.version, [], ""
+        rid, updates, shown = uuid.uuid4().hex, [], ""
         self.live[rid] = updates
         self.window["peak"] = max(self.window["peak"], len(self.live))
         params = SamplingParams(**sampling, logprobs=0, skip_special_tokens=False)  # (markers kept)
         try:
-            async with aclosing(self._outputs(prompt_ids, params, rid, images, live)) as outputs:
+            async with aclosing(self._outputs(prompt_ids, params, rid, images, live, lora)) as outputs:
                 async for final in outputs:
                     settled = self.parsers.settled(final.outputs[0].text) if live else ""
                     if len(settled) > len(shown) and not final.finished:
@@ -227,12 +236,13 @@ class Engine:
                          list(final.prompt_token_ids) if images else None, parsed.reasoning,
                          parsed.content, parsed.tool_calls, parsed.tool_call_errors)
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, token_ids: list[int], policy: str = POLICY) -> list[float]:
         """Log-prob of each token given those before it (temperature 1; position 0 gets 0)."""
         from vllm import SamplingParams
 
         final = [o async for o in self._outputs(token_ids, SamplingParams(
-            max_tokens=1, prompt_logprobs=0, temperature=1.0))][-1]
+            max_tokens=1, prompt_logprobs=0, temperature=1.0),
+            lora=self.loras.get(policy, (None,))[0])][-1]
         return [0.0] + [step[tok].logprob for tok, step in
                         zip(token_ids[1:], final.prompt_logprobs[1:])]
 
@@ -272,19 +282,20 @@ class Engine:
         finally:
             await self.resume(version)
 
-    async def load_adapter(self, adapter: dict, version: int) -> None:
-        """LoRA: serve `adapter` (instar/train/lora.py) as `version` to every request from
-        now on; requests in flight keep theirs (see the module docstring)."""
+    async def load_adapter(self, adapter: dict, version: int, policy: str = POLICY) -> None:
+        """LoRA: serve `adapter` (instar/train/lora.py) as `version` of `policy` to its
+        requests from now on; requests in flight keep theirs (see the module docstring)."""
         from vllm.lora.request import LoRARequest
 
         from instar.train import lora
 
-        folder = lora.write(adapter, Path(self.adapters) / f"v{version}")
-        request = LoRARequest(f"v{version}", version + 1, str(folder))  # (ids start at 1)
+        self.lora_ids += 1  # (vLLM tells adapters apart by id: a new one for each version)
+        folder = lora.write(adapter, Path(self.adapters) / f"{self.lora_ids}-{policy}-v{version}")
+        request = LoRARequest(folder.name, self.lora_ids, str(folder))
         await self.llm.add_lora(request)  # loaded now, not on the first request
-        self.lora, self.version = request, version
-        for old in Path(self.adapters).glob("v*"):  # vLLM keeps those it serves in memory
-            if int(old.name[1:]) < version - 4:
+        self.loras[policy] = request, version
+        for old in Path(self.adapters).glob("[0-9]*"):  # vLLM keeps those it serves in memory
+            if int(old.name.split("-")[0]) < self.lora_ids - 4 * len(self.loras):
                 shutil.rmtree(old, ignore_errors=True)
 
     def incarnation(self) -> str:

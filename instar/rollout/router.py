@@ -79,7 +79,7 @@ class Router:
         if i in self.recovering:
             await asyncio.shield(self.recovering[i])
         method = self.engines[i].generate if on_text is None else self.engines[i].stream
-        call = method.remote(ids, sampling, self.versions[self.policy], images)
+        call = method.remote(ids, sampling, self.versions[self.policy], images, self.policy)
         try:
             gen = await (call if on_text is None else _streamed(call, on_text))
         except RayActorError:

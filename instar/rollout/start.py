@@ -25,6 +25,8 @@ def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | N
     r, m = cfg.rollout, cfg.model
     check(m.tool_parser, m.reasoning_parser)
     adapter = lora.read(cfg.lora.path) if cfg.lora.path else None
+    rank, targets = (adapter["config"]["r"], adapter["config"]["target_modules"]) if adapter \
+        else (cfg.lora.rank, cfg.lora.targets)
     with status(f"starting {r.num_engines} vLLM engine{'s' * (r.num_engines > 1)}"):
         engines = launch(str(model_path), device=cfg.cluster.device, dtype=cfg.model.dtype,
                          max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
@@ -32,7 +34,7 @@ def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | N
                          placement=placement, tensor_parallel=r.tensor_parallel,
                          gpu_memory_utilization=r.gpu_memory, tool_parser=m.tool_parser,
                          reasoning_parser=m.reasoning_parser,
-                         lora_rank=adapter["config"]["r"] if adapter else cfg.lora.rank, **options)
+                         lora_rank=rank, lora_targets=targets, **options)
     try:  # (vLLM may refuse the adapter: the engines end with the error)
         ray.get([e.load_adapter.remote(adapter, 0) for e in engines if adapter])
     except BaseException:

@@ -7,6 +7,7 @@ makes it a PEFT folder: PEFT loads that onto the base model and vLLM serves it (
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,30 @@ ENGINE_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def engine_rank(rank: int) -> int:
     """The smallest slot rank vLLM offers that holds an adapter of `rank`."""
     return next(r for r in ENGINE_RANKS if r >= rank)
+
+
+def engine_modules(model_path: str, targets: str | list[str]) -> list[str]:
+    """The modules, by last name, that engines put LoRA on (vLLM's `lora_target_modules`) for
+    adapters of `targets` (as PEFT takes them: a regex over module names, or a list of names).
+    Never lm_head: with an lm_head adapter vLLM's prompt log-probs, which the sync probe reads,
+    fail or drop the adapter (vllm#16668, #51594), so the engines leave it unwrapped."""
+    if isinstance(targets, str):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        config = AutoConfig.from_pretrained(model_path)
+        auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else \
+            AutoModelForCausalLM
+        with torch.device("meta"):
+            model = auto.from_config(config)
+        names = [name for name, module in model.named_modules()
+                 if isinstance(module, torch.nn.Linear) and re.fullmatch(targets, name)]
+    modules = sorted({name.rsplit(".", 1)[-1] for name in
+                      (names if isinstance(targets, str) else targets)})
+    if "lm_head" in modules or not modules:
+        raise ValueError(f"LoRA targets {targets!r} match {'lm_head' if modules else 'nothing'} "
+                         "in this model: give --lora.targets a regex over its linear layers, "
+                         "without lm_head (vLLM serves no lm_head adapter with prompt log-probs)")
+    return modules
 
 
 def wrap(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
@@ -68,9 +93,11 @@ def read(folder: str | Path) -> dict:
         raise ValueError(f"--lora.path {folder}: not a PEFT adapter folder (it needs "
                          "adapter_config.json and adapter_model.safetensors)")
     config = json.loads(files[0].read_text())
-    if config.get("peft_type") != "LORA" or not isinstance(config.get("r"), int):
+    if config.get("peft_type") != "LORA" or not isinstance(config.get("r"), int) or \
+            not config.get("target_modules"):
         raise ValueError(f"--lora.path {folder}: adapter_config.json is not a LoRA adapter's "
-                         f"(peft_type {config.get('peft_type')!r}, r {config.get('r')!r})")
+                         f"(peft_type {config.get('peft_type')!r}, r {config.get('r')!r}, "
+                         f"target_modules {config.get('target_modules')!r})")
     if config["r"] > ENGINE_RANKS[-1]:
         raise ValueError(f"--lora.path {folder}: rank {config['r']} is above vLLM's largest, "
                          f"{ENGINE_RANKS[-1]}")
