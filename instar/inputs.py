@@ -15,6 +15,7 @@ from instar.hub import resolve_model
 from instar.rollout.parsers import check as check_parsers
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model
+from instar.train import lora
 
 
 @dataclass
@@ -53,6 +54,9 @@ def run_inputs(cfg: Config) -> Inputs:
     path = model_path(cfg)
     other_model_paths(cfg)
     check_parsers(cfg.model.tool_parser, cfg.model.reasoning_parser)
+    if cfg.lora.rank or cfg.lora.path:  # (an adapter the engines cannot serve is refused now)
+        lora.engine_modules(str(path), lora.read(cfg.lora.path)["config"]["target_modules"]
+                            if cfg.lora.path else cfg.lora.targets)
     return Inputs(
         train_tasks=load_task_data(d.train or builtin_train, d.prompt_key, d.label_key),
         eval_tasks=load_task_data(eval_file, d.prompt_key, d.label_key, "--data.eval")[

@@ -59,6 +59,10 @@ def test_bad_inputs_exit_2_in_one_line_and_leave_no_run_directory(tmp_path, monk
         ("rl", "--data.train", str(data)): f"instar rl: error: {data}:2: not JSON",
         ("eval", "--config", "missing.yaml"): "instar eval: error: cannot read the recipe",
         ("rl", "--model.path", str(tmp_path / "no" / "such")): "instar rl: error: ",
+        ("rl", "--lora.rank", "8", "--lora.targets", r".*(lm_head|q_proj)"):
+            "instar rl: error: LoRA targets '.*(lm_head|q_proj)' match lm_head",
+        ("eval", "--lora.path", str(tmp_path)): f"instar eval: error: --lora.path {tmp_path}: "
+                                                "not a PEFT adapter folder",
     }
     for args, error in cases.items():
         with pytest.raises(SystemExit) as exit_:

@@ -196,3 +196,11 @@ def test_two_adapters_served_at_once_keep_their_own_versions_and_requests(
     assert ray.get(engine.prompt_logprobs.remote(probe, "b")) == \
         pytest.approx(on_a, abs=1e-5)  # b now serves a's weights
     assert ray.get(engine.prompt_logprobs.remote(probe, "a")) == pytest.approx(on_a, abs=1e-6)
+
+
+def test_instar_sft_trains_an_adapter_and_exports_it(ray_session, tmp_path, tiny_model):
+    run = instar(tmp_path, "sft", "--lora.rank", "4", "--train.steps", "2", "--eval.size", "0")
+    adapter = lora.read(run / "final")
+    assert adapter["config"]["r"] == 4
+    b = [t for k, t in adapter["tensors"].items() if ".lora_B." in k]
+    assert b and all(t.abs().max() > 0 for t in b)  # trained: PEFT starts every B at zero
