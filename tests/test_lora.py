@@ -172,6 +172,21 @@ def test_instar_rl_with_lora_syncs_the_adapter_and_exports_it(ray_session, tmp_p
     summary = json.loads((run / "summary.json").read_text())
     assert summary["preflight_abs_logprob_diff"] < 1e-3
     assert lora.read(run / "final")["config"]["r"] == 8
+    # instar eval serves the exported adapter: its behaviour log-probs are PEFT's
+    served = instar(tmp_path, "eval", "--lora.path", str(run / "final"), "--eval.size", "4",
+                    name="eval")
+    sample = json.loads((served / "eval_samples.jsonl").read_text().splitlines()[0])
+    def scored(model) -> list[float]:  # the sample's generated tokens
+        with torch.no_grad():
+            logits = model(torch.tensor([sample["tokens"]])).logits[0, :-1].log_softmax(-1)
+        out = logits.gather(-1, torch.tensor(sample["tokens"][1:])[:, None])[:, 0].tolist()
+        return [x for x, m in zip(out, sample["loss_mask"][1:]) if m]
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    recorded = [x for x, m in zip(sample["logprobs"][1:], sample["loss_mask"][1:]) if m]
+    assert max(abs(a - b) for a, b in zip(scored(base), recorded)) > 1e-2  # (not the base's)
+    peft = scored(PeftModel.from_pretrained(base, str(run / "final")))
+    assert recorded and max(abs(a - b) for a, b in zip(peft, recorded)) < 1e-4
 
 
 def test_two_adapters_served_at_once_keep_their_own_versions_and_requests(
