@@ -27,7 +27,7 @@ def start_engines(cfg: Config, model_path: str | Path, placement: list[dict] | N
     adapter = lora.read(cfg.lora.path) if cfg.lora.path else None
     rank, targets = (adapter["config"]["r"], adapter["config"]["target_modules"]) if adapter \
         else (cfg.lora.rank, cfg.lora.targets)
-    targets = lora.engine_modules(str(model_path), targets) if rank else ()  # (refused here)
+    targets = lora.engine_modules(str(model_path), targets) if rank else ()  # what they wrap
     with status(f"starting {r.num_engines} vLLM engine{'s' * (r.num_engines > 1)}"):
         engines = launch(str(model_path), device=cfg.cluster.device, dtype=cfg.model.dtype,
                          max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,

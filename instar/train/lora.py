@@ -30,6 +30,7 @@ def engine_modules(model_path: str, targets: str | list[str]) -> list[str]:
     adapters of `targets` (as PEFT takes them: a regex over module names, or a list of names).
     Never lm_head: with an lm_head adapter vLLM's prompt log-probs, which the sync probe reads,
     fail or drop the adapter (vllm#16668, #51594), so the engines leave it unwrapped."""
+    names = targets
     if isinstance(targets, str):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -40,8 +41,7 @@ def engine_modules(model_path: str, targets: str | list[str]) -> list[str]:
             model = auto.from_config(config)
         names = [name for name, module in model.named_modules()
                  if isinstance(module, torch.nn.Linear) and re.fullmatch(targets, name)]
-    modules = sorted({name.rsplit(".", 1)[-1] for name in
-                      (names if isinstance(targets, str) else targets)})
+    modules = sorted({name.rsplit(".", 1)[-1] for name in names})
     if "lm_head" in modules or not modules:
         raise ValueError(f"LoRA targets {targets!r} match {'lm_head' if modules else 'nothing'} "
                          "in this model: give --lora.targets a regex over its linear layers, "
