@@ -8,7 +8,8 @@ Each starts Ray (--cluster.ray-address) and --rollout.num-engines engines on the
 (--model.*), samples with the --rollout.* settings, and writes into its run directory
 (--logging.root/--logging.name; default name: the job and a timestamp):
 
-    rollout   rollouts.jsonl (one Sample per segment, its decoded text beside), summary.json
+    rollout   rollouts.jsonl (one Sample per segment, its decoded text beside),
+              failed_rollouts.jsonl (reason and traceback of each failed attempt), summary.json
     eval      eval.json (reward, pass@k), eval_samples.jsonl (the same)
     serve     sessions.jsonl, written on Ctrl-C
 """
@@ -88,6 +89,7 @@ def rollout(cfg: Config, inputs: Inputs) -> dict:
     with agent_rollouts(cfg, inputs) as rollouts, episodes_bar(cfg, k * len(tasks)) as bar:
         batch = rollouts.run(tasks, k, sampling(cfg), "rollout", bar.advance)
     save(out / "rollouts.jsonl", batch.samples, inputs.tokenizer)
+    (out / "failed_rollouts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in batch.errors))
     episodes = one_per_rollout(batch.samples)
     n = max(len(episodes), 1)
     summary = {"episodes": len(episodes), "segments": len(batch.samples),

@@ -51,7 +51,7 @@ from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate, mean
 from instar.inputs import Inputs, other_model_paths, run_inputs, task_order
-from instar.metrics import MISMATCH, TRUNCATED, RunLog, StepResult, spread, step_metrics
+from instar.metrics import MISMATCH, TRUNCATED, RunLog, StepResult, dumps, spread, step_metrics
 from instar.placement import place
 from instar.plots import plot_run
 from instar.preflight import preflight
@@ -230,7 +230,7 @@ def begin(r: Run) -> int:
     r.summary["eval_reward_before"] = evaluate_now(r, 0, "eval-before").get("eval/reward")
     if c.rollout.preflight:
         fresh = collect(r, r.rollouts.run(r.inputs.train_tasks[:c.rollout.preflight], 1,
-                                          sampling(c), "preflight"))
+                                          sampling(c), "preflight"), 0)
         r.summary["preflight_abs_logprob_diff"] = preflight(
             fresh, r.trainer, r.engines[0], c.rollout.temperature, c.rollout.preflight_tol)
     return 1
@@ -244,18 +244,20 @@ def train_step(r: Run, stream: Stream, step: int) -> StepResult:
     for group in groups + stream.dropped:
         batch.add(group)
     r.ticket = stream.first
-    samples = collect(r, batch)
+    samples = collect(r, batch, step)
     probe_diff = r.check.result()  # the engines hold weights step - 1: before any is trained on
     if not samples:
         raise RuntimeError(f"step {step}: every rollout failed ({dict(batch.failed)}); "
                            f"see {r.failures.name}")
     trained = [s for g in groups for s in g.samples]
     t1 = time.time()
-    stats = {}
+    stats, scores = {}, None
     sleeps = r.cfg.rollout.placement == "colocated" and r.cfg.cluster.device == "cuda"
     if trained:
         if sleeps:  # colocated engines free the GPU while the trainer trains
             ray.get([e.sleep.remote() for e in r.engines])
+        if dumps(step, r.cfg.logging.rollouts_every):
+            scores = score(r.trainer, samples[:r.cfg.rollout.group_size], r.cfg.rollout.temperature)
         stats = learn(trained, r.trainer, r.others, r.cfg, step, r.kl_coef)
         if r.cfg.algo.kl_target and "kl" in stats:
             a = r.cfg.algo
@@ -269,7 +271,16 @@ def train_step(r: Run, stream: Stream, step: int) -> StepResult:
     t3 = time.time()
     return StepResult(step, batch, trained, stats, probe_diff, on_engines(r.engines, "stats"),
                       {"wait": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
-                      len(groups) + len(stream.dropped), len(stream.dropped), r.sync_bytes)
+                      len(groups) + len(stream.dropped), len(stream.dropped), r.sync_bytes,
+                      scores)
+
+
+def score(trainer: Trainer, samples: list[Sample], temperature: float) -> list[list[float | None]]:
+    """The trainer's log-probs of the samples' generated tokens (None elsewhere)."""
+    seqs = [Sequence(s.tokens, s.loss_mask, [lp or 0.0 for lp in s.logprobs],
+                     routed_experts=s.routed_experts, images=s.images) for s in samples]
+    return [[lp if m else None for lp, m in zip(lps, s.loss_mask)]
+            for s, lps in zip(samples, trainer.score(seqs, temperature))]
 
 
 def learn(samples: list[Sample], trainer: Trainer, others: dict[str, Trainer], cfg: Config,
@@ -340,10 +351,11 @@ def sync(r: Run, version: int) -> None:
     r.rollouts.publish(version, reload)  # (how an engine Ray restarts gets `version`)
 
 
-def collect(r: Run, batch: Batch) -> list[Sample]:
-    """The batch's samples; its failed attempts go to failed_rollouts.jsonl and the console."""
+def collect(r: Run, batch: Batch, step: int) -> list[Sample]:
+    """The batch's samples; its failed attempts go to failed_rollouts.jsonl (with the step they
+    were collected at) and the console."""
     for err in batch.errors:
-        r.failures.write(json.dumps(err) + "\n")
+        r.failures.write(json.dumps({"step": step, **err}) + "\n")
         console.log(f"[yellow]rollout {err['rollout_id']} failed ({err['reason']}), "
                     f"traceback in {r.failures.name}")
     r.failures.flush()
@@ -357,7 +369,7 @@ def evaluate_now(r: Run, step: int, tag: str) -> dict:
         return {}
     r.check.result()
     m, batch = evaluate(r.rollouts, r.inputs.eval_tasks, r.cfg.eval, r.cfg.rollout.max_tokens, tag)
-    collect(r, batch)
+    collect(r, batch, step)
     r.log.log({"step": step, **m}, step)
     return m
 
@@ -369,9 +381,11 @@ def after_step(r: Run, result: StepResult, checkpoint_now: bool = False) -> dict
     m = step_metrics(result)
     r.history.append(m)
     r.log.log(m, step)
-    if step == 1 or (c.logging.rollouts_every and step % c.logging.rollouts_every == 0):
+    if dumps(step, c.logging.rollouts_every):
         group = result.batch.samples[:c.rollout.group_size]
-        write_jsonl(r.dir / "rollouts.jsonl", group, r.inputs.tokenizer)
+        scores = result.dumped_scores or [None] * len(group)  # (None: nothing was trained)
+        write_jsonl(r.dir / "rollouts.jsonl", group, r.inputs.tokenizer,
+                    [{"step": step, **({"trainer_logprobs": t} if t else {})} for t in scores])
         r.log.text("rollout/sample", group[0], r.inputs.tokenizer, step)
     if checkpoint_now or (c.checkpoint.every and step % c.checkpoint.every == 0):
         if "critic" in r.others:  # first, and one more kept: the policy's newest has its critic

@@ -40,6 +40,14 @@ class StepResult:
     """Groups dropped by dynamic sampling (no reward spread)."""
     sync_bytes: int = 0
     """What the step's weight sync sent each engine."""
+    dumped_scores: list[list[float | None]] | None = None
+    """On a step that dumps samples (`dumps`): the trainer's log-probs of the dumped ones'
+    generated tokens, before the update."""
+
+
+def dumps(step: int, every: int) -> bool:
+    """Whether step `step` writes a group of samples to rollouts.jsonl (--logging.rollouts-every)."""
+    return step == 1 or bool(every and step % every == 0)
 
 
 TRUNCATED = ("length", "max_tokens")

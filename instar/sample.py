@@ -90,7 +90,7 @@ class Sample:
 
     @classmethod
     def from_json(cls, line: str) -> "Sample":
-        return cls(**{k: v for k, v in json.loads(line).items() if k not in TEXT})
+        return cls(**{k: v for k, v in json.loads(line).items() if k not in NOTES})
 
 
 def fit_routing(routing: list | None, n: int) -> list | None:
@@ -106,7 +106,11 @@ def one_per_rollout(samples: list[Sample]) -> list[Sample]:
 
 
 TEXT = ("prompt_text", "completion_text")
-"""What `write_jsonl` adds beside the tokens, for people to read (`read_jsonl` leaves it)."""
+"""The decoded text `write_jsonl` adds beside the tokens, for people to read."""
+NOTES = (*TEXT, "step", "trainer_logprobs")
+"""What a dump holds beside the sample's fields (`read_jsonl` leaves it): its text, and in
+`instar rl`'s rollouts.jsonl the step that trained on the sample and the trainer's log-probs of
+its generated tokens (None elsewhere) before that step's update."""
 
 
 def texts(s: Sample, tokenizer) -> dict[str, str]:
@@ -117,11 +121,14 @@ def texts(s: Sample, tokenizer) -> dict[str, str]:
             "completion_text": tokenizer.decode(s.tokens[k:])}
 
 
-def write_jsonl(path: str | Path, samples: list[Sample], tokenizer=None) -> None:
-    """Append one line per sample; with `tokenizer`, its decoded text first (`texts`)."""
+def write_jsonl(path: str | Path, samples: list[Sample], tokenizer=None,
+                notes: list[dict] | None = None) -> None:
+    """Append one line per sample; with `tokenizer`, its decoded text first (`texts`); with
+    `notes` (one dict a sample, keys of NOTES), those beside it."""
     with open(path, "a") as f:
-        f.writelines(json.dumps({**(texts(s, tokenizer) if tokenizer else {}), **asdict(s)},
-                                separators=(",", ":")) + "\n" for s in samples)
+        f.writelines(json.dumps({**(texts(s, tokenizer) if tokenizer else {}), **n, **asdict(s)},
+                                separators=(",", ":")) + "\n"
+                     for s, n in zip(samples, notes or [{}] * len(samples)))
 
 
 def read_jsonl(path: str | Path) -> list[Sample]:

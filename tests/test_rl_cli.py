@@ -63,10 +63,15 @@ def test_instar_rl_end_to_end(tmp_path):
     dumped = read_jsonl(run / "rollouts.jsonl")
     assert len(dumped) == 5 * 2
     tokenizer = AutoTokenizer.from_pretrained(run / "final")
-    for s, line in zip(dumped, (run / "rollouts.jsonl").read_text().splitlines()):
+    for i, (s, line) in enumerate(zip(dumped, (run / "rollouts.jsonl").read_text().splitlines())):
         text = json.loads(line)  # beside the tokens, their text: the prompt, then the reply
         assert text["prompt_text"].startswith("<|im_start|>user\nReverse")
         assert text["prompt_text"] + text["completion_text"] == tokenizer.decode(s.tokens)
+        assert text["step"] == i // 2 + 1
+        for lp, t, v in zip(s.logprobs, text.get("trainer_logprobs", []), s.versions):
+            assert (t is None) == (lp is None)  # the trainer's, before the step's update
+            if v == text["step"] - 1:  # (lag 0: the engine's weights were the trainer's)
+                assert abs(t - lp) < 1e-4
     for i, s in enumerate(dumped):
         lags = {i // 2 - v for v, m in zip(s.versions, s.loss_mask) if m}
         assert 0 <= min(lags) and max(lags) <= 2
