@@ -12,6 +12,7 @@ its --help; a setting has the same flag, and the same default, in every command:
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -189,6 +190,27 @@ class RolloutConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """One adapter of a multi-LoRA run (an entry of `lora.adapters`, config file only)."""
+
+    name: str = ""
+    """Its name: PEFT's adapter name, the engines' policy, `lora/<name>/` in the metrics, and
+    adapters/<name>/ in the run directory (its rollouts, checkpoints and final/)."""
+    agent: str = ""
+    """Its agent file (as --agent.file). Empty: --agent.file."""
+    agent_config: dict[str, str] = field(default_factory=dict)
+    """Keyword arguments for its agent (as --agent.config). Empty: --agent.config."""
+    train: str = ""
+    """Its training tasks (as --data.train). Empty: --data.train."""
+    eval: str = ""
+    """Its held-out tasks (as --data.eval). Empty: --data.eval."""
+    lr: float = 0.0
+    """Its optimizer's learning rate. 0: --train.lr."""
+    max_staleness: int = -1
+    """Its staleness bound (as --rollout.max-staleness). -1: --rollout.max-staleness."""
+
+
+@dataclass
 class LoraConfig:
     rank: int = 0
     """LoRA: train a rank-R adapter on every module --lora.targets matches, the base model
@@ -206,6 +228,10 @@ class LoraConfig:
     path: str = ""
     """A trained adapter (a PEFT folder, such as a run's final/) for the engines of instar
     rollout, eval and serve to serve on --model.path."""
+    adapters: tyro.conf.Suppress[list[AdapterConfig]] = field(default_factory=list)
+    """Multi-LoRA (config file only): several adapters of --lora.rank, trained in one run
+    against one base model and one engine pool, each with its own agent, data, optimizer,
+    weight version, staleness bound and metrics. Empty: one adapter (with --lora.rank)."""
 
 
 @dataclass
@@ -453,11 +479,27 @@ class Config:
         if self.lora.rank and not trains:
             raise ValueError("--lora.rank trains an adapter (instar rl, instar sft); to serve a "
                              "trained one here, give --lora.path DIR")
+        if self.lora.adapters and not rl:
+            raise ValueError("lora.adapters trains several adapters in instar rl; other "
+                             "commands take one (--lora.rank R, or --lora.path DIR)")
         if self.lora.path and trains:
             raise ValueError("--lora.path serves a trained adapter (instar rollout, eval, "
                              "serve); training starts a new one: --lora.rank R")
         self._check_ignored()
         return self
+
+    def lanes(self) -> list[tuple[str, "Config"]]:
+        """The policies the run trains: ("", self) for one; with `lora.adapters`, each
+        adapter's name and config (this one with the adapter's agent, data, lr and bound)."""
+        R = dataclasses.replace
+        return [(a.name, R(self, agent=R(self.agent, file=a.agent or self.agent.file,
+                                          config=a.agent_config or self.agent.config),
+                           data=R(self.data, train=a.train or self.data.train,
+                                  eval=a.eval or self.data.eval),
+                           train=R(self.train, lr=a.lr or self.train.lr),
+                           rollout=R(self.rollout, max_staleness=self.rollout.max_staleness
+                                     if a.max_staleness < 0 else a.max_staleness)))
+                for a in self.lora.adapters] or [("", self)]
 
     def resolved_defaults(self) -> dict[str, Any]:
         """The defaults that depend on the model, its dtype and the devices: what a setting
@@ -605,6 +647,19 @@ class Config:
             raise ValueError(f"--lora.rank trains an adapter, which reaches the engines through "
                              f"Ray's object store (megabytes, any node): leave out "
                              f"--rollout.transport {r.transport}")
+        names = [a.name for a in self.lora.adapters]
+        if names and not self.lora.rank:
+            raise ValueError("lora.adapters trains several LoRA adapters of one rank: give "
+                             "--lora.rank R too")
+        if len(set(names)) < len(names) or not all(re.fullmatch(r"[A-Za-z]\w*", n) for n in names):
+            raise ValueError(f"lora.adapters: each adapter needs a name of its own, of letters, "
+                             f"digits and _, starting with a letter (got {names})")
+        if any(a.lr < 0 or a.max_staleness < -1 for a in self.lora.adapters):
+            raise ValueError("lora.adapters: lr must be >= 0 (0: --train.lr) and max_staleness "
+                             ">= -1 (-1: --rollout.max-staleness)")
+        if names and self.algo.estimator == "gae":
+            raise ValueError("--algo.estimator gae trains one critic, which several adapters "
+                             "cannot share: with lora.adapters use a critic-free estimator")
         if self.algo.estimator == "on_policy_distill" and not self.algo.teacher:
             raise ValueError("--algo.estimator on_policy_distill needs --algo.teacher (an HF "
                              "folder sharing the policy's tokenizer)")
@@ -693,6 +748,8 @@ def _typed(key: str, kind, value):
         return None if value is None else _typed(key, args[0], value)
     if origin is Literal and value in args:
         return value
+    if origin is list and args and dataclasses.is_dataclass(args[0]) and isinstance(value, list):
+        return [from_dict(args[0], v, f"{key}[{i}].") for i, v in enumerate(value)]
     if kind is float and not isinstance(value, bool):  # (YAML 1.1 reads 1e-6 as a string)
         try:
             return float(value)

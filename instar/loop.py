@@ -30,6 +30,10 @@ fixed probe sequence must match the trainer's before its tokens are used.
 whatever raises), `begin` (resume, or eval and preflight), `train_step` for each step,
 `after_step` (log, checkpoint, eval), `finish` (final eval, summary, export). A SIGTERM
 (preemption) ends the run at the end of its step, once that step is checkpointed.
+
+Multi-LoRA (`lora.adapters`): one trainer and one engine pool hold every adapter, and each
+adapter is a `Run` of its own (its agent, data, stream, versions, probe, checkpoints and
+metrics under lora/<name>/) sharing them; each step runs `train_step` for each in turn.
 """
 
 import dataclasses
@@ -61,6 +65,7 @@ from instar.rollout.engine import stop_engines
 from instar.rollout.runner import Batch, Rollouts
 from instar.rollout.start import make_rollouts, sampling, start_engines
 from instar.rollout.stream import Stream
+from instar.rollout.versions import POLICY
 from instar.sample import Sample, write_jsonl
 from instar.train import checkpoint
 from instar.train.advantages import informative, sample_advantages
@@ -74,10 +79,13 @@ from instar.weight_sync import ProbeCheck, on_engines, sync_weights
 
 @dataclass
 class Run:
-    """What the loop holds from setup to the end of the run."""
+    """What the loop holds from setup to the end of the run, for one trained policy (with
+    several LoRA adapters, one Run each, sharing the trainer, engines and log)."""
 
     cfg: Config
+    """The run's config; an adapter's: with its agent, data, lr and staleness bound."""
     dir: Path
+    """The run directory; an adapter's: adapters/<name>/ in it (rollouts, checkpoints, final)."""
     inputs: Inputs
     model: Path
     """The policy's starting checkpoint (after the warm-up, if any)."""
@@ -102,43 +110,69 @@ class Run:
     history: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     failed: Counter = field(default_factory=Counter)
+    name: str = ""
+    """Multi-LoRA: the adapter's name (its policy on the engines); "": the run's one policy."""
+
+    @property
+    def policy(self) -> str:
+        return self.name or POLICY
+
+    def tagged(self, m: dict) -> dict:
+        """Metrics as logged: an adapter's under lora/<name>/."""
+        return {k if k == "step" or not self.name else f"lora/{self.name}/{k}": v
+                for k, v in m.items()}
 
 
-def run(cfg: Config, inputs: Inputs | None = None) -> dict:
-    """`inputs`: the run's model, data and agent, already checked (default: read them now)."""
+def run(cfg: Config, inputs: list[Inputs] | None = None) -> dict:
+    """`inputs`: each trained policy's model, data and agent (`Config.lanes`), already checked
+    (default: read them now)."""
     cfg.validate()
-    inputs = inputs or run_inputs(cfg)
     schedule, why = cfg.schedule_for()
     cfg = replace(cfg, rollout=replace(cfg.rollout, schedule=schedule))
     console.log(f"schedule: {schedule} ({why})")
+    inputs = inputs or [run_inputs(c) for _, c in cfg.lanes()]
     with ExitStack() as stack:
-        r = setup(cfg, inputs, stack)
-        start = begin(r)
+        runs = setup(cfg, inputs, stack)
+        starts = [begin(r) for r in runs]  # (adapters resumed from a save cut short differ)
         stopping = stack.enter_context(deferred_sigterm())  # SIGTERM: stop at the step's end
-        P, ro = cfg.data.prompts_per_step, cfg.rollout
-        a = cfg.algo  # dynamic sampling: groups with no reward spread are dropped and refilled
-        stream = Stream(r.rollouts, task_order(r.inputs.train_tasks, cfg.data.seed), P,
-                        ro.group_size, sampling(cfg),
-                        0 if ro.schedule == "sequential" else ro.max_staleness, r.ticket,
-                        max_resample=a.max_resample if a.dynamic_filter else 0,
-                        keep=lambda g: not a.dynamic_filter or bool(informative(g.samples)))
-        stack.callback(release, stream.close)
+        streams = [open_stream(r) for r in runs]
+        for stream in streams:
+            stack.callback(release, stream.close)
         # a live bar on a terminal; in a log (Slurm), a line every --logging.print-every steps
-        with Bar("step", cfg.train.steps, start - 1, live=cfg.logging.progress,
+        with Bar("step", cfg.train.steps, min(starts) - 1, live=cfg.logging.progress,
                  every=cfg.logging.print_every) as bar:
-            for step in range(start, cfg.train.steps + 1):
-                result = train_step(r, stream, step)
+            for step in range(min(starts), cfg.train.steps + 1):
+                due = [(r, s) for r, s, first in zip(runs, streams, starts) if step >= first]
+                results = [train_step(r, stream, step) for r, stream in due]
                 preempted = stopping()
-                m = after_step(r, result, checkpoint_now=preempted)
-                bar.advance(1, f"reward {m['rollout/reward']:.3f} |Δlogp| "
+                ms = [after_step(r, result, checkpoint_now=preempted)
+                      for (r, _), result in zip(due, results)]
+                m, rewards = ms[0], " ".join(f"{m['rollout/reward']:.3f}" for m in ms)
+                bar.advance(1, f"reward {rewards} |Δlogp| "
                             f"{m.get('invariants/abs_logprob_diff', 0):.0e} "
                             f"{m['perf/gen_tokens_per_s']:.0f} tok/s | wait {m['timing/wait_s']:.1f}s"
                             f" train {m['timing/train_s']:.1f}s sync {m['timing/sync_s']:.1f}s")
                 if preempted:  # (the groups of later steps are dropped: resumed, they are redone)
                     raise Preempted(f"stopped by SIGTERM after the checkpoint of step {step}; "
                                     "continue with --checkpoint.resume auto")
-        stream.close()  # (no more training groups: the final eval has the engines alone)
-        return finish(r)
+        for stream in streams:  # (no more training groups: the final eval has the engines alone)
+            stream.close()
+        summaries = {r.name: finish(r) for r in runs}
+        if not runs[0].name:
+            return {**summaries[""], "run_dir": str(runs[0].dir)}
+        root = runs[0].dir.parent.parent
+        (root / "summary.json").write_text(json.dumps({"adapters": summaries}, indent=2))
+        return {"adapters": summaries, "run_dir": str(root)}
+
+
+def open_stream(r: Run) -> Stream:
+    """The policy's training groups, in task order, within its staleness bound."""
+    c = r.cfg
+    a, ro = c.algo, c.rollout  # dynamic sampling: groups with no reward spread are dropped and refilled
+    return Stream(r.rollouts, task_order(r.inputs.train_tasks, c.data.seed), c.data.prompts_per_step,
+                  ro.group_size, sampling(c), 0 if ro.schedule == "sequential" else ro.max_staleness,
+                  r.ticket, policy=r.policy, max_resample=a.max_resample if a.dynamic_filter else 0,
+                  keep=lambda g: not a.dynamic_filter or bool(informative(g.samples)))
 
 
 def release(fn, *args) -> None:
@@ -150,14 +184,15 @@ def release(fn, *args) -> None:
         console.log(f"[yellow]clean-up: {getattr(fn, '__qualname__', fn)} failed: {e!r}")
 
 
-def setup(cfg: Config, inputs: Inputs, stack: ExitStack) -> Run:
-    """Everything the run needs, each part released by `stack` whatever happens later."""
+def setup(cfg: Config, inputs: list[Inputs], stack: ExitStack) -> list[Run]:
+    """Everything the run needs, each part released by `stack` whatever happens later: the
+    trainer, engines and log, and a Run for each trained policy."""
     # absolute paths: Ray workers of a joined cluster do not run in this directory
     run_dir = Path(cfg.logging.root).absolute() / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
     stack.enter_context(ray_for(cfg.cluster.ray_address))
-    model = inputs.model_path
+    model = inputs[0].model_path
     if cfg.train.warmup_sft_steps:
-        model = warmup(cfg, model, inputs.train_tasks, inputs.tokenizer)
+        model = warmup(cfg, model, [t for i in inputs for t in i.train_tasks], inputs[0].tokenizer)
     r, t, device = cfg.rollout, cfg.train, cfg.cluster.device
     engine_at, rank_at, pg = place(r.placement, device, r.num_engines, t.num_ranks, r.threads,
                                    t.threads_per_rank, cfg.cluster.engine_resource,
@@ -181,19 +216,25 @@ def setup(cfg: Config, inputs: Inputs, stack: ExitStack) -> Run:
     others = other_models(cfg, model)
     for other in others.values():
         stack.callback(release, other.shutdown)
-    rollouts = make_rollouts(cfg, inputs.agent_cls, engines, inputs.tokenizer, model)
-    stack.callback(release, rollouts.close)
     weights = scratch_dir()  # weights to the engines through RAM
     stack.callback(shutil.rmtree, weights, ignore_errors=True)
-    resume = cfg.checkpoint.resume and checkpoint.latest(run_dir / "checkpoints")
+    dirs = [run_dir / "adapters" / name if name else run_dir for name, _ in cfg.lanes()]
+    resume = cfg.checkpoint.resume and any(checkpoint.latest(d / "checkpoints") for d in dirs)
     log = RunLog(run_dir, dataclasses.asdict(cfg), resume=bool(resume),
                  tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project)
     stack.callback(release, log.close)
-    failures = stack.enter_context(open(run_dir / "failed_rollouts.jsonl", "a" if resume else "w"))
-    probe = prompt_ids(inputs.tokenizer, as_messages(inputs.train_tasks[0].prompt), None)
-    check = ProbeCheck(engines, probe, trainer.probe(probe), r.sync_check_tol)
-    return Run(cfg, run_dir, inputs, model, trainer, others, engines, rollouts, log, failures,
-               weights, probe, check, cfg.algo.kl_coef)
+    runs = []
+    for (name, c), i, d in zip(cfg.lanes(), inputs, dirs):
+        d.mkdir(parents=True, exist_ok=True)
+        policy, policy_trainer = name or POLICY, trainer.using(name) if name else trainer
+        rollouts = make_rollouts(c, i.agent_cls, engines, i.tokenizer, model, policy)
+        stack.callback(release, rollouts.close)
+        failures = stack.enter_context(open(d / "failed_rollouts.jsonl", "a" if resume else "w"))
+        probe = prompt_ids(i.tokenizer, as_messages(i.train_tasks[0].prompt), None)
+        check = ProbeCheck(engines, probe, policy_trainer.probe(probe), r.sync_check_tol, policy)
+        runs.append(Run(c, d, i, model, policy_trainer, others, engines, rollouts, log, failures,
+                        weights, probe, check, c.algo.kl_coef, name=name))
+    return runs
 
 
 def other_models(cfg: Config, model: Path) -> dict[str, Trainer]:
@@ -232,7 +273,8 @@ def begin(r: Run) -> int:
         fresh = collect(r, r.rollouts.run(r.inputs.train_tasks[:c.rollout.preflight], 1,
                                           sampling(c), "preflight"), 0)
         r.summary["preflight_abs_logprob_diff"] = preflight(
-            fresh, r.trainer, r.engines[0], c.rollout.temperature, c.rollout.preflight_tol)
+            fresh, r.trainer, r.engines[0], c.rollout.temperature, c.rollout.preflight_tol,
+            r.policy)
     return 1
 
 
@@ -347,8 +389,8 @@ def sync(r: Run, version: int) -> None:
     becomes `r.check`. From here on the router and admission control go by `version`."""
     reload, r.check, r.sync_bytes = sync_weights(r.trainer, r.engines, r.weights, version,
                                                  r.probe, r.cfg.rollout.sync_check_tol,
-                                                 r.cfg.rollout.transport)
-    r.rollouts.publish(version, reload)  # (how an engine Ray restarts gets `version`)
+                                                 r.cfg.rollout.transport, r.policy)
+    r.rollouts.publish(version, reload, r.policy)  # (how an engine Ray restarts gets `version`)
 
 
 def collect(r: Run, batch: Batch, step: int) -> list[Sample]:
@@ -370,7 +412,7 @@ def evaluate_now(r: Run, step: int, tag: str) -> dict:
     r.check.result()
     m, batch = evaluate(r.rollouts, r.inputs.eval_tasks, r.cfg.eval, r.cfg.rollout.max_tokens, tag)
     collect(r, batch, step)
-    r.log.log({"step": step, **m}, step)
+    r.log.log(r.tagged({"step": step, **m}), step)
     return m
 
 
@@ -380,13 +422,13 @@ def after_step(r: Run, result: StepResult, checkpoint_now: bool = False) -> dict
     c, step = r.cfg, result.step
     m = step_metrics(result)
     r.history.append(m)
-    r.log.log(m, step)
+    r.log.log(r.tagged(m), step)
     if dumps(step, c.logging.rollouts_every):
         group = result.batch.samples[:c.rollout.group_size]
         scores = result.dumped_scores or [None] * len(group)  # (None: nothing was trained)
         write_jsonl(r.dir / "rollouts.jsonl", group, r.inputs.tokenizer,
                     [{"step": step, **({"trainer_logprobs": t} if t else {})} for t in scores])
-        r.log.text("rollout/sample", group[0], r.inputs.tokenizer, step)
+        r.log.text(f"{r.name}/rollout/sample".lstrip("/"), group[0], r.inputs.tokenizer, step)
     if checkpoint_now or (c.checkpoint.every and step % c.checkpoint.every == 0):
         if "critic" in r.others:  # first, and one more kept: the policy's newest has its critic
             r.others["critic"].save_checkpoint(r.dir / "checkpoints" / "critic", step, {},
@@ -402,7 +444,7 @@ def after_step(r: Run, result: StepResult, checkpoint_now: bool = False) -> dict
 
 def finish(r: Run) -> dict:
     """The final eval, the summary (written to summary.json), the exported model, the plots;
-    returns the summary and `run_dir`."""
+    returns the summary."""
     c, s, history = r.cfg, r.summary, r.history
     r.check.result()  # the weights the engines hold are the trainer's: those are exported
     s["eval_reward_after"] = evaluate_now(r, c.train.steps, "eval-after").get("eval/reward")
@@ -416,7 +458,7 @@ def finish(r: Run) -> dict:
     s["failed_rollouts"] = dict(r.failed)
     if c.checkpoint.save_final:
         r.trainer.export(r.model, r.dir / "final")
-    if c.logging.plots:
-        plot_run(r.dir)
+    if c.logging.plots:  # (an adapter's: from its metrics in the run's metrics.jsonl)
+        plot_run(r.dir.parent.parent, f"lora/{r.name}/", r.dir) if r.name else plot_run(r.dir)
     (r.dir / "summary.json").write_text(json.dumps(s, indent=2))
-    return {**s, "run_dir": str(r.dir)}
+    return s

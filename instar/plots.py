@@ -25,9 +25,12 @@ PLOTS = {  # file: (title, y label, metric names or prefixes, log scale)
 }
 
 
-def plot_run(run_dir: Path) -> list[Path]:
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    out, written = run_dir / "plots", []
+def plot_run(run_dir: Path, prefix: str = "", out: Path | None = None) -> list[Path]:
+    """The plots of run_dir/metrics.jsonl into (out or run_dir)/plots; with `prefix` (an
+    adapter's lora/<name>/), of the metrics under it."""
+    rows = [{k.removeprefix(prefix): v for k, v in json.loads(line).items()}
+            for line in open(run_dir / "metrics.jsonl")]
+    out, written = (out or run_dir) / "plots", []
     out.mkdir(exist_ok=True)
     for name, (title, ylabel, wanted, log) in PLOTS.items():
         keys = sorted({k for r in rows for k in r if any(k.startswith(w) for w in wanted)})

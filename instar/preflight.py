@@ -4,13 +4,14 @@ stops, with the most likely cause, if its log-probs disagree with the engine's."
 import ray
 
 from instar.evaluate import mean
+from instar.rollout.versions import POLICY
 from instar.sample import Sample
 from instar.train.batch import Sequence
 from instar.train.trainer import Trainer
 
 
 def preflight(samples: list[Sample], trainer: Trainer, engine, temperature: float,
-              tol: float) -> float:
+              tol: float, policy: str = POLICY) -> float:
     """Before step 1: the trainer rescores freshly sampled tokens; if its log-probs disagree
     with the engine's behaviour log-probs by more than `tol` (mean |Δ|), stop with the most
     likely cause. The mean |Δ| otherwise. (A loss mask on tokens the engine did not sample
@@ -25,7 +26,7 @@ def preflight(samples: list[Sample], trainer: Trainer, engine, temperature: floa
     if diff <= tol:
         return diff
     ids = seqs[0].tokens  # the same tokens, teacher-forced, in both: do the weights agree?
-    weights = max(abs(a - b) for a, b in zip(ray.get(engine.prompt_logprobs.remote(ids))[1:],
+    weights = max(abs(a - b) for a, b in zip(ray.get(engine.prompt_logprobs.remote(ids, policy))[1:],
                                              trainer.probe(ids)[1:]))
     if weights > tol:
         cause = (f"the engine and the trainer give the same tokens different log-probs "

@@ -24,7 +24,7 @@ import time
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from instar.rollout.versions import Reload
+from instar.rollout.versions import POLICY, Reload
 from instar.train import lora
 from instar.train.trainer import Trainer
 
@@ -62,14 +62,17 @@ class ProbeCheck:
     the largest |engine - trainer| log-prob difference, or raises if it is over `tol`: that
     engine does not hold the trainer's weights."""
 
-    def __init__(self, engines: list, probe: list[int], expected: list[float], tol: float):
+    def __init__(self, engines: list, probe: list[int], expected: list[float], tol: float,
+                 policy: str = POLICY):
         self.engines, self.probe, self.expected, self.tol = engines, probe, expected, tol
-        self.refs = [e.prompt_logprobs.remote(probe) for e in engines]
+        self.policy = policy
+        self.refs = [e.prompt_logprobs.remote(probe, policy) for e in engines]
         self.worst: float | None = None
 
     def result(self) -> float:
         if self.worst is None:
-            got = on_engines(self.engines, "prompt_logprobs", self.probe, refs=self.refs)
+            got = on_engines(self.engines, "prompt_logprobs", self.probe, self.policy,
+                             refs=self.refs)
             diffs = [max(abs(a - b) for a, b in zip(g[1:], self.expected[1:])) for g in got]
             for i, diff in enumerate(diffs):
                 if diff > self.tol:
@@ -83,24 +86,27 @@ class ProbeCheck:
 
 
 def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, probe: list[int],
-                 tol: float, transport: str = "file") -> tuple[Reload, ProbeCheck, int]:
-    """Push the trainer's weights into every engine as `version`. Returns how an engine that
+                 tol: float, transport: str = "file", policy: str = POLICY
+                 ) -> tuple[Reload, ProbeCheck, int]:
+    """Push the trainer's weights into every engine as `version` of `policy` (several LoRA
+    adapters: each is a policy of its own). Returns how an engine that
     restarts later gets them (see the module docstring), the engines' probe check, already
     running (wait for it before the new weights' tokens are trained on or evaluated), and
     the bytes sent to each engine."""
     if trainer.lora or transport == "file":
         if trainer.lora:  # only the adapter, through Ray's object store (any node)
             adapter = trainer.adapter()
-            method, payload, size = "load_adapter", ray.put(adapter), lora.num_bytes(adapter)
+            method, size = "load_adapter", lora.num_bytes(adapter)
+            args = ray.put(adapter), version, policy
         else:  # each rank's shards through `folder` (RAM), into reload_weights
-            method, payload = "load_weights", trainer.save_shards(folder)
-            size = sum(os.path.getsize(p) for p in payload)
-        loads = [getattr(e, method).remote(payload, version) for e in engines]
+            method, args = "load_weights", (trainer.save_shards(folder), version)
+            size = sum(os.path.getsize(p) for p in args[0])
+        loads = [getattr(e, method).remote(*args) for e in engines]
         expected = trainer.probe(probe)  # while the engines load
-        on_engines(engines, method, payload, version, refs=loads)  # (a restarted one too)
+        on_engines(engines, method, *args, refs=loads)  # (a restarted one too)
 
         async def reload(i: int) -> bool:
-            await getattr(engines[i], method).remote(payload, version)
+            await getattr(engines[i], method).remote(*args)
             return True
     else:  # device to device: NCCL or CUDA IPC
         trainer.link(on_engines(engines, "incarnation"))  # (a restarted engine: linked anew)
@@ -119,4 +125,4 @@ def sync_weights(trainer: Trainer, engines: list, folder: str, version: int, pro
                 await ref
             await engines[i].resume.remote(version)  # it holds `version` from now on
             return True
-    return reload, ProbeCheck(engines, probe, expected, tol), size
+    return reload, ProbeCheck(engines, probe, expected, tol, policy), size

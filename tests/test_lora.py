@@ -9,7 +9,7 @@ from peft import PeftModel
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from instar.config import Config
+from instar.config import AdapterConfig, Config
 from instar.rollout.engine import launch, stop_engines
 from instar.train import lora
 from instar.train.batch import Sequence
@@ -219,3 +219,53 @@ def test_instar_sft_trains_an_adapter_and_exports_it(ray_session, tmp_path, tiny
     assert adapter["config"]["r"] == 4
     b = [t for k, t in adapter["tensors"].items() if ".lora_B." in k]
     assert b and all(t.abs().max() > 0 for t in b)  # trained: PEFT starts every B at zero
+
+
+@pytest.fixture(scope="module")
+def two_adapters(ray_session, tiny_model):
+    cfg = Config()
+    cfg.lora.rank = 8
+    cfg.lora.adapters = [AdapterConfig(name="x"), AdapterConfig(name="y")]
+    trainer = Trainer(cfg.validate(), str(tiny_model))
+    yield trainer
+    trainer.shutdown()
+
+
+def test_two_adapters_on_one_model_train_sync_and_resume_apart(two_adapters, lora_engine,
+                                                               tokenizer, tiny_model, tmp_path):
+    """Multi-LoRA in the trainer: each adapter has its own weights, optimizer and checkpoints
+    on the one FSDP2 model; training or restoring one leaves the other exactly as it was; the
+    engine serves each as a policy of its own."""
+    x, y = two_adapters.using("x"), two_adapters.using("y")
+    probe = chat(tokenizer, "Reverse: mnop") + tokenizer.encode("ponm")
+    seqs = [Sequence(p + a, [False] * len(p) + [True] * len(a), [0.0] * (len(p) + len(a)))
+            for w in ("abc", "hgfedc", "pqrs")
+            for p, a in [(chat(tokenizer, f"Reverse: {w}"), tokenizer.encode(w[::-1]))]]
+    base = y.probe(probe)
+    assert x.probe(probe) == base  # (PEFT starts every B at zero)
+    x.step(seqs, "sft", lr=3e-2)
+    moved = x.probe(probe)
+    assert max(abs(a - b) for a, b in zip(moved, base)) > 1e-2
+    assert y.probe(probe) == base  # x's step moved x alone
+    y.step(seqs, "sft", lr=1e-2)
+    assert x.probe(probe) == moved
+    x.save_checkpoint(tmp_path / "x", 1, {"step": 1}, keep=1)
+    x.step(seqs, "sft", lr=3e-2)  # (AdamW's state matters: its second step differs)
+    once = x.probe(probe)
+    y.step(seqs, "sft", lr=1e-2)
+    y_now = y.probe(probe)
+    assert x.load_checkpoint(tmp_path / "x" / "step-00000001") == {"step": 1}
+    assert y.probe(probe) == y_now  # restoring x left y as it was
+    x.step(seqs, "sft", lr=3e-2)
+    assert x.probe(probe) == once  # x's own weights and optimizer state came back
+    saved = FileSystemReader(str(tmp_path / "x" / "step-00000001")).read_metadata()
+    weights = [k for k in saved.state_dict_metadata if k.startswith("model.")]
+    assert weights and all(".lora_A.x." in k or ".lora_B.x." in k for k in weights)
+    served = {}
+    for name, trainer in (("x", x), ("y", y)):  # each adapter to the engine as its own policy
+        _, check, size = sync_weights(trainer, [lora_engine], str(tmp_path), 1, probe, tol=1e-4,
+                                      policy=name)
+        assert check.result() < 1e-4 and size == adapter_bytes(tiny_model)
+        served[name] = ray.get(lora_engine.prompt_logprobs.remote(probe, name))
+    assert max(abs(a - b) for a, b in zip(served["x"][1:], served["y"][1:])) > 1e-2
+    assert set(x.adapter()["tensors"]) == set(y.adapter()["tensors"])  # saved as PEFT names them

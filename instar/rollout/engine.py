@@ -86,7 +86,7 @@ class Engine:
                  capture_routing: bool = False, tensor_parallel: int = 1,
                  gpu_memory_utilization: float = 0.9, transport: str = "file", nice: int = 0,
                  tool_parser: str = "", reasoning_parser: str = "", lora_rank: int = 0,
-                 lora_targets: str | list[str] = ""):
+                 lora_targets: str | list[str] = "", lora_policies: int = 1):
         from instar.rollout.parsers import Parsers, check
         from instar.train.lora import engine_modules, engine_rank
 
@@ -128,9 +128,9 @@ class Engine:
             distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
             gpu_memory_utilization=gpu_memory_utilization,
             weight_transfer_config=None if transport == "file" else {"backend": transport},
-            # LoRA: the current adapter and those requests in flight still use
+            # LoRA: each policy's current adapter and the one its requests in flight still use
             enable_lora=bool(lora_rank), max_lora_rank=engine_rank(lora_rank or 1),
-            max_loras=2, max_cpu_loras=4,
+            max_loras=2 * lora_policies, max_cpu_loras=4 * lora_policies,
             lora_target_modules=engine_modules(model_path, lora_targets) if lora_rank else None)
         self.llm = AsyncLLM.from_engine_args(args)
         self.parsers = Parsers(self.llm.tokenizer, tool_parser, reasoning_parser)

@@ -76,14 +76,15 @@ class Rollouts:
                  engines: list, tokenizer, *, model_name: str, max_model_len: int, limits: dict,
                  on_failure: str = "drop_rollout", max_retries: int = 0, judge: str = "",
                  judge_engines: list | None = None, hang_s: float = 120.0,
-                 max_request_mb: float = 32, seed: int = 0):
+                 max_request_mb: float = 32, seed: int = 0, policy: str = POLICY):
         """`judge`: "" (none), "policy" (a judge on `engines`) or the folder of a frozen
         model served by `judge_engines` (started by the caller, shut down by `close`);
         `hang_s`: see `Router`; `max_request_mb`: the gateway's body limit; `seed`: the run's,
-        from which each request's sampling seed derives (see `request_seed`)."""
+        from which each request's sampling seed derives (see `request_seed`); `policy`: the
+        weights the episodes are generated with (multi-LoRA: an adapter's name)."""
         self.agent_cls, self.agent_config, self.tokenizer = agent_cls, agent_config, tokenizer
         self.versions = Versions()
-        self.router = Router(engines, self.versions, hang_s=hang_s, seed=seed)
+        self.router = Router(engines, self.versions, policy, hang_s=hang_s, seed=seed)
         self.slots = asyncio.Semaphore(EPISODES_PER_ENGINE * len(engines))
         self.limits = {k: v for k, v in limits.items() if v is not None}
         self.max_model_len = max_model_len

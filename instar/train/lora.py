@@ -49,24 +49,36 @@ def engine_modules(model_path: str, targets: str | list[str]) -> list[str]:
     return modules
 
 
-def wrap(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    """`model` with an adapter on each module `lora.targets` matches; the base is frozen."""
+def wrap(model: torch.nn.Module, lora: LoraConfig, names: tuple[str, ...] = ("default",)):
+    """`model` with an adapter on each module `lora.targets` matches, one per name (the
+    first active); the base is frozen."""
     from peft import LoraConfig as PeftLora
     from peft import get_peft_model
 
-    return get_peft_model(model, PeftLora(r=lora.rank, lora_alpha=lora.alpha,
-                                          lora_dropout=lora.dropout, target_modules=lora.targets))
+    def config():
+        return PeftLora(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.targets)
+    model = get_peft_model(model, config(), adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, config())
+    model.base_model.set_adapter(names[0])
+    return model
 
 
-def adapter_config(model) -> dict:
-    """A wrapped model's adapter_config.json, as plain JSON."""
-    config = model.peft_config["default"].to_dict()
+def owns(parameter: str, name: str) -> bool:
+    """Whether a wrapped model's `parameter` belongs to adapter `name`."""
+    return re.search(rf"\.lora_[AB]\.{re.escape(name)}\.", parameter) is not None
+
+
+def adapter_config(model, name: str = "default") -> dict:
+    """A wrapped model's adapter_config.json for adapter `name`, as plain JSON."""
+    config = model.peft_config[name].to_dict()
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
-def saved_name(parameter: str) -> str:
-    """A wrapped model's parameter name as PEFT saves it (without the adapter's name)."""
-    return parameter.replace(".default.", ".")
+def saved_name(parameter: str, name: str = "default") -> str:
+    """A parameter of adapter `name` as PEFT saves it (without the adapter's name)."""
+    return re.sub(rf"\.(lora_[AB])\.{re.escape(name)}\.", r".\1.", parameter)
 
 
 def num_bytes(adapter: dict) -> int:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import (
     AutoConfig,
@@ -110,7 +110,7 @@ class Rank:
                  freeze: tuple[str, ...] = (), head: str = "lm",
                  activation_checkpointing: bool = False, cpu_offload: bool = False,
                  master_dtype: str = "float32", routing_replay: bool = False, seed: int = 0,
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, adapter_names: tuple[str, ...] = ("default",)):
         torch.set_num_threads(threads)
         torch.manual_seed(seed)  # what the checkpoint lacks (a critic's value head) starts alike
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -131,7 +131,7 @@ class Rank:
                 p.requires_grad_(False)
         self.lora = lora if lora and lora.rank else None
         if self.lora:  # (before sharding: PEFT swaps the target modules for adapted ones)
-            model = adapters.wrap(model, lora)
+            model = adapters.wrap(model, lora, adapter_names)
         inner = model.get_base_model() if self.lora else model
         if activation_checkpointing:  # recompute each decoder layer in the backward
             model.gradient_checkpointing_enable({"use_reentrant": False})
@@ -150,13 +150,32 @@ class Rank:
         fully_shard(model, mp_policy=mixed, **offload)
         self.model, self.head = model, head
         self.tied = model.config.tie_word_embeddings
+        if self.lora:  # each adapter: its own optimizer and synced tensors (`use` picks one)
+            self.owned = {name: [n for n, _ in model.named_parameters() if adapters.owns(n, name)]
+                          for name in adapter_names}
+            params = dict(model.named_parameters())
+            self.opts = {name: torch.optim.AdamW([params[n] for n in ns], lr=lr,
+                                                 weight_decay=weight_decay)
+                         for name, ns in self.owned.items()}
+            self.active = ""
+            self.use(adapter_names[0])
+            return
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay) if trainable else None
         # Engines start from the same checkpoint, so only what training changes is synced.
         changing = {sync_unit(n) for n, p in model.named_parameters() if p.requires_grad}
-        self.sync_names = [n for n, p in model.named_parameters() if p.requires_grad] \
-            if self.lora else [n for n in model.state_dict() if sync_unit(n) in changing
-                               and not (self.tied and n == "lm_head.weight")]
+        self.sync_names = [n for n in model.state_dict() if sync_unit(n) in changing
+                           and not (self.tied and n == "lm_head.weight")]
+
+    def use(self, adapter: str) -> None:
+        """Multi-LoRA: the calls that follow train, score, send and checkpoint `adapter` (the
+        others stay as they are: PEFT runs only the active adapter and lets only it learn)."""
+        if adapter != self.active:  # (sharded first: FSDP2 takes requires_grad from the shards)
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+            self.model.base_model.set_adapter(adapter)
+            self.active, self.opt, self.sync_names = adapter, self.opts[adapter], self.owned[adapter]
 
     def _batch(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         """Right-padded tensors: tokens, attn, mask and each per-token field the sequences have."""
@@ -273,10 +292,10 @@ class Rank:
         """LoRA: the adapter, whole, in the engines' dtype (see instar/train/lora.py), for
         rank 0; every rank must call (each tensor is gathered)."""
         params = dict(self.model.named_parameters())
-        tensors = {adapters.saved_name(n): (p.full_tensor() if isinstance(p, DTensor) else p)
-                   .detach().to("cpu", self.dtype).contiguous() for n in self.sync_names
-                   for p in [params[n]]}
-        return {"config": adapters.adapter_config(self.model), "tensors": tensors} \
+        tensors = {adapters.saved_name(n, self.active): (p.full_tensor() if isinstance(p, DTensor)
+                                                         else p).detach().to("cpu", self.dtype)
+                   .contiguous() for n in self.sync_names for p in [params[n]]}
+        return {"config": adapters.adapter_config(self.model, self.active), "tensors": tensors} \
             if self.rank == 0 else None
 
     def save_checkpoint(self, root: str, step: int, state: dict, keep: int) -> str:

@@ -13,6 +13,7 @@ an engine Ray restarted the current weights (`resend`). The ranks' calls are col
 every rank must get them in one order: each call reaches all ranks under one lock.
 """
 
+import copy
 import os
 import threading
 from pathlib import Path
@@ -59,7 +60,8 @@ class Trainer:
                        cpu_offload=t.cpu_offload,
                        master_dtype=cfg.model.dtype if frozen else t.master_dtype,
                        routing_replay=t.routing_replay and head == "lm" and not frozen,
-                       seed=cfg.data.seed, lora=cfg.lora if head == "lm" and not frozen else None)
+                       seed=cfg.data.seed, lora=cfg.lora if head == "lm" and not frozen else None,
+                       adapter_names=tuple(a.name for a in cfg.lora.adapters) or ("default",))
         self.lora = bool(options["lora"] and cfg.lora.rank)
         """Only a LoRA adapter trains, and only it goes to the engines (`adapter`)."""
         actor = ray.remote(TrainWorker)
@@ -68,6 +70,8 @@ class Trainer:
                         .remote(r, t.num_ranks, master, model_path, **options)
                         for r in range(t.num_ranks)]
         self.cfg, self.lock = cfg, threading.Lock()
+        self.active = ""
+        """Multi-LoRA: the adapter every call is on (see `using`); "": the ranks' own."""
         self.linked: dict[int, str] = {}
         """GPU transports: the incarnation of each engine the ranks are linked to."""
         self.sent: int | None = 0
@@ -75,9 +79,18 @@ class Trainer:
         hold it (None once a step or a checkpoint load changed them). The engines start from
         the ranks' checkpoint: 0."""
 
+    def using(self, adapter: str) -> "Trainer":
+        """Multi-LoRA: these ranks, with every call on LoRA adapter `adapter` (its weights, its
+        optimizer, its checkpoints). The ranks switch adapter per call, under the one lock."""
+        view = copy.copy(self)
+        view.active = adapter
+        return view
+
     def _submit(self, method: str, *args, parts: list | None = None) -> list:
         """Call `method` on every rank (rank r's first argument: parts[r], if given); the refs."""
         with self.lock:
+            for w in self.workers if self.active else ():  # (Ray runs a caller's calls in order)
+                w.use.remote(self.active)
             return [getattr(w, method).remote(*([parts[r]] if parts is not None else []), *args)
                     for r, w in enumerate(self.workers)]
 
