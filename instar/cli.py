@@ -133,7 +133,7 @@ def rl(argv: list[str]) -> None:
     from instar.loop import run
 
     with checks("rl"):
-        inputs = run_inputs(cfg)
+        inputs = [run_inputs(c) for _, c in cfg.lanes()]
     with checks("rl", (LayoutError,)):  # (a cluster too small for the layout)
         summary = run(cfg, inputs)
     print_summary(summary)
@@ -201,11 +201,16 @@ def serve(argv: list[str]) -> None:
         serve(cfg, path)
 
 
-def print_summary(s: dict) -> None:
+def print_summary(s: dict, title: str = "instar rl: summary") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="instar rl: summary")
+    if "adapters" in s:  # multi-LoRA: a table for each adapter
+        for name, adapter in s["adapters"].items():
+            print_summary({**adapter, "run_dir": ""}, f"instar rl: adapter {name}")
+        print(outputs(Path(s["run_dir"])))
+        return
+    table = Table(title=title)
     table.add_column("")
     table.add_column("start", justify="right")
     table.add_column("end", justify="right")
@@ -221,13 +226,14 @@ def print_summary(s: dict) -> None:
     Console().print(table)
     if s["failed_rollouts"]:
         Console().print(f"failed rollouts: {s['failed_rollouts']}")
-    print(outputs(Path(s["run_dir"])))
+    if s["run_dir"]:
+        print(outputs(Path(s["run_dir"])))
 
 
 def outputs(run_dir: Path) -> str:
     """Where a finished run's results are, for those it wrote."""
     names = {"final": "model", "plots": "plots", "metrics.jsonl": "metrics",
-             "rollouts.jsonl": "rollouts"}
+             "rollouts.jsonl": "rollouts", "adapters": "adapters"}
     lines = [f"  {name:<12}{run_dir / f}" for f, name in names.items() if (run_dir / f).exists()]
     if (run_dir / "tensorboard").exists():
         lines.append(f"  {'tensorboard':<12}tensorboard --logdir {run_dir.parent}")

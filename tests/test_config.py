@@ -403,7 +403,7 @@ def test_instar_help_lists_the_commands_and_version_prints(capsys):
     main(["--help"])  # exits 0: returns
     out = capsys.readouterr().out
     assert all(f"  {name} " in out for name in ("rl", "sft", "eval", "rollout", "serve",
-                                                "make-model", "view"))
+                                                "make-model", "check-model", "view"))
     main(["--version"])
     assert re.fullmatch(r"instar \d+\.\d+\.\d+\n", capsys.readouterr().out)
     for argv in ([], ["trian"]):
