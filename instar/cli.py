@@ -1,6 +1,7 @@
 """instar's command line: rl (train), sft (supervised), eval (a checkpoint on held-out
-tasks), rollout (no training), serve (engine + gateway), make-model (build a tiny model), view
-(a run's episodes as one HTML page)."""
+tasks), rollout (no training), serve (engine + gateway), make-model (build a tiny model),
+check-model (a checkpoint's chat template and tokenizer, checked for instar), view (a run's
+episodes as one HTML page)."""
 
 import argparse
 import dataclasses
@@ -73,6 +74,9 @@ HELP = {
     "view": "Write runs' episodes as one HTML page. Each conversation token by token (coloured by "
             "log-prob, version lag or engine-vs-trainer difference), failures with their "
             "tracebacks, filters; one self-contained file, no server.",
+    "check-model": "Check a checkpoint's chat template and tokenizer for instar. Prefix "
+                   "stability, tool-call round trip, control tokens, reasoning in history, and "
+                   "the features safe with the model; exit 1 on a blocking problem.",
 }
 """What each command does: its --help, and a line of `instar --help`."""
 
@@ -247,6 +251,19 @@ def make_model(argv: list[str]) -> None:
     print(build_model(args.out, args.kind, args.size, args.seed))
 
 
+def check_model(argv: list[str]) -> None:
+    from instar.check_model import CheckModel, load, run_checks, show
+
+    args = tyro.cli(CheckModel, args=argv, prog="instar check-model",
+                    description=HELP["check-model"])
+    with checks("check-model"):
+        folder, tokenizer = load(args.dir, args.model.tool_parser, args.model.reasoning_parser)
+    findings = run_checks(folder, tokenizer, args.model.tool_parser, args.model.reasoning_parser)
+    show(args.dir, findings)
+    if any(f.level == "block" for f in findings):
+        sys.exit(1)
+
+
 def view(argv: list[str]) -> None:
     from instar.view import write
 
@@ -256,7 +273,7 @@ def view(argv: list[str]) -> None:
 
 
 COMMANDS = {"rl": rl, "sft": sft, "eval": eval_, "rollout": rollout, "serve": serve,
-            "make-model": make_model, "view": view}
+            "make-model": make_model, "check-model": check_model, "view": view}
 
 
 def usage() -> str:
