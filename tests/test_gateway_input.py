@@ -429,6 +429,33 @@ def test_chat_agent_segments_record_the_engines_routing(scripted):
     assert sample.tokens[:len(ids)] == ids
 
 
+def test_a_long_episode_renders_only_its_new_messages(scripted, monkeypatch):
+    """From the third request on, a turn renders the first message with the turn before's
+    new messages and reply, and with its own new message: never the whole conversation. The
+    segment is token for token what rendering it all twice a turn gives (`continuation_ids`)."""
+    tok, sizes = scripted.tokenizer, []
+    render = type(tok).apply_chat_template
+
+    def counted(self, messages, *args, **kwargs):
+        sizes.append(len(messages))
+        return render(self, messages, *args, **kwargs)
+    monkeypatch.setattr(type(tok), "apply_chat_template", counted)
+    sid = open_session(scripted)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    want = prompt_ids(tok, messages, None)
+    for turn in range(8):  # (the session's turn limit)
+        sizes.clear()
+        reply = post(scripted, "openai", sid, json={"messages": messages})
+        assert reply.status_code == 200, reply.text
+        assert scripted.engine.calls[-1][0] == want  # (the reference: what rendering all gives)
+        assert max(sizes) <= (len(messages) if turn < 2 else 3), (turn, sizes)
+        before = messages + [reply.json()["choices"][0]["message"]]
+        messages = before + [{"role": "user", "content": f"and {turn}"}]
+        want += tok.encode("ok", add_special_tokens=False) + [tok.eos_token_id]  # (scripted)
+        want += continuation_ids(tok, before, messages, None, ended_with_eos=True)
+    assert len(messages) == 18 and len(scripted.close_session(sid).segments) == 1
+
+
 
 def test_models_refuse_a_wrong_key_or_session_in_the_wires_shape(gateway):
     sid = gateway.open_session("r0", "g0", {"temperature": 1.0, "max_tokens": 8}, 4, 512)

@@ -5,13 +5,23 @@ by a user, returned by a tool or written by an Env is never the template's contr
 When some text holds an added token's string, each text is wrapped in unguessable marks
 before rendering, and the rendered string is tokenised piece by piece: the template's own
 text as usual, the marked text with every added token's string broken in two.
+
+A continued turn (`continuation_ids`) renders the whole conversation twice: as it was and as
+it is now. `continuation` gives the same ids from the text kept from the turn before, rendering
+only the new messages, when the template renders each message on its own (`_local`, read off
+the template's syntax tree); otherwise it renders as `continuation_ids` does.
 """
 
 import functools
 import json
+import os
 import re
 import secrets
+from dataclasses import dataclass
 from typing import Any
+
+import jinja2
+from jinja2 import nodes
 
 Message = dict[str, Any]
 
@@ -96,15 +106,122 @@ def continuation_ids(tokenizer, before: list[Message], after: list[Message],
     tokenised (with the token itself when the generation stopped without it). None when
     `after` does not extend `before` as rendered (the history was rewritten).
     """
-    eos, literal = tokenizer.eos_token, _literal(tokenizer, after)  # (`after` holds `before`)
-    old = render(tokenizer, before, tools, False, literal)
-    new = render(tokenizer, after, tools, True, literal)
+    literal = _literal(tokenizer, after)  # (`after` holds `before`)
+    return _continued(tokenizer, render(tokenizer, before, tools, False, literal),
+                      render(tokenizer, after, tools, True, literal), ended_with_eos)
+
+
+def _continued(tokenizer, old: str, new: str, ended_with_eos: bool) -> list[int] | None:
+    """The ids of `new` after the end-of-turn token that ends `old` (see `continuation_ids`)."""
+    eos = tokenizer.eos_token
     if eos not in old:
         return None
     cut = old.rindex(eos) + (len(eos) if ended_with_eos else 0)
     if not new.startswith(old[:cut]):
         return None
     return encode(tokenizer, new[cut:])
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """The text of a conversation's first messages, kept between turns by `continuation`."""
+
+    messages: int
+    """How many messages of the conversation `text` renders."""
+    text: str
+    """Those messages as the template renders them, without the generation prompt."""
+    first: str
+    """The first message alone, rendered the same way."""
+
+
+def continuation(tokenizer, before: list[Message], after: list[Message], tools: list[dict] | None,
+                 ended_with_eos: bool, kept: Rendered | None) -> tuple[list[int] | None,
+                                                                       Rendered | None]:
+    """`continuation_ids`, the same ids or None, rendering as little as the template allows.
+
+    `kept`: what the previous call returned for this conversation (its `before` is a start
+    of this `before`), or None. Returns the ids and what to keep for the next turn. With a
+    template that renders each message on its own (`_local`), whole-conversation text is made
+    from kept text and renders of the first message with only the new messages; the whole
+    conversation is rendered at most once, where nothing was kept. Otherwise, or with literal
+    text (`_literal`), it is `continuation_ids` and nothing is kept.
+    """
+    done = kept.messages if kept else 0  # (messages before `done` were found plain before)
+    if not _local(tokenizer.get_chat_template(None, tools or None)) or _literal(
+            tokenizer, after[done:]):
+        return continuation_ids(tokenizer, before, after, tools, ended_with_eos), None
+    first = kept.first if kept else render(tokenizer, before[:1], tools, False)
+    old = _more(tokenizer, kept.text, first, before[:1] + before[done:], tools, False) if kept \
+        else None
+    if old is None:
+        old = render(tokenizer, before, tools, False)
+    new = _more(tokenizer, old, first, before[:1] + after[len(before):], tools, True)
+    if new is None:
+        new = render(tokenizer, after, tools, True)
+    return _continued(tokenizer, old, new, ended_with_eos), Rendered(len(before), old, first)
+
+
+def _more(tokenizer, text: str, first: str, short: list[Message], tools: list[dict] | None,
+          generation_prompt: bool) -> str | None:
+    """The text of a conversation that renders as `text` (no generation prompt) with the
+    messages `short[1:]` appended; `short[0]` is its first message, which renders as `first`.
+
+    With a `_local` template a render is a head (what comes before the second message), the
+    other messages' text, and a closing text (which `generation_prompt` chooses). `first` and
+    the render of `short` share the head, so they part (at `k`) inside `first`'s closing text,
+    which `text` ends with too: in `text`, what `first` has after `k` is replaced by what the
+    render of `short` has after it (the new messages and closing text). None where `text`
+    does not end as `first` does, which a local template never gives (render it all then).
+    """
+    rendered = render(tokenizer, short, tools, generation_prompt)
+    k = len(os.path.commonprefix([first, rendered]))
+    if not text.endswith(first[k:]):
+        return None
+    return text[:len(text) - len(first) + k] + rendered[k:]
+
+
+_STATEFUL = {"namespace", "joiner", "cycler", "strftime_now"}  # (Jinja globals; the time)
+
+
+@functools.cache
+def _local(template: str) -> bool:
+    """Whether the template renders each message on its own, so that the text of a longer
+    conversation can be made from a shorter one's (`_more`): one `{% for m in messages %}` at
+    the top, and outside it text that depends on the first message, the tools and constants.
+
+    Inside the loop a message's text may depend on the message, `loop.first`, the first
+    message (`messages[0]`), the tools and what was set before the loop, but not on other
+    messages, other `loop` fields, state carried between iterations (`namespace`, `joiner`,
+    `cycler`), the time, or `add_generation_prompt` (allowed only after the loop). Anything
+    else, or a template this plain parser cannot read, is not local. (Jinja keeps a `set`
+    inside the loop to its iteration, and transformers' sandbox refuses to mutate lists.)"""
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return False
+    loops = [n for n in tree.body if isinstance(n, nodes.For) and isinstance(n.iter, nodes.Name)
+             and n.iter.name == "messages"]
+    if len(loops) != 1 or loops[0].test or loops[0].recursive or loops[0].else_:
+        return False
+
+    def ok(node: nodes.Node, parent: nodes.Node | None, after: bool) -> bool:
+        if isinstance(node, nodes.Extends | nodes.Include | nodes.Import | nodes.FromImport
+                      | nodes.NSRef | nodes.Break):
+            return False
+        if isinstance(node, nodes.Name):
+            if node.name == "messages":
+                return node is loops[0].iter or (
+                    isinstance(parent, nodes.Getitem) and parent.node is node
+                    and isinstance(parent.arg, nodes.Const) and type(parent.arg.value) is int
+                    and parent.arg.value == 0)
+            if node.name == "loop":
+                return isinstance(parent, nodes.Getattr) and parent.attr == "first"
+            return node.name not in _STATEFUL and (after or node.name != "add_generation_prompt")
+        after = after and not isinstance(node, nodes.Macro)
+        return all(ok(child, node, after) for child in node.iter_child_nodes())
+
+    end = tree.body.index(loops[0])
+    return all(ok(n, tree, i > end) for i, n in enumerate(tree.body))
 
 
 def canonical(message: Message) -> Message:

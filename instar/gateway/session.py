@@ -2,10 +2,18 @@
 
     request 1: [sys, user]                 -> render all            -> prompt ids   (mask 0)
                                               engine                -> sampled ids  (mask 1)
-    request 2: [sys, user, asst, tool]     extends what we recorded -> only [tool] is
-                                              rendered and appended after the sampled ids
-    request 3: [sys, summary, user]        rewrites history         -> seal segment 0,
+    request 2: [sys, user, asst, tool]     extends what we recorded -> render the history
+                                              [sys, user, asst] (kept) and [sys, tool]; the
+                                              text after asst's end of turn is tokenised and
+                                              appended after the sampled ids
+    request 3: [.., tool, asst, user]      extends it again         -> render [sys, tool, asst]
+                                              and [sys, user] only: the kept text grows
+    request 4: [sys, summary, user]        rewrites history         -> seal segment 0,
                                               segment 1 starts from a full render
+
+Rendering only the new messages (each with the first) needs a chat template that renders each
+message on its own; with another template each continued turn renders the conversation twice.
+Either way the ids are the same (`continuation` in instar/agents/chat.py).
 
 An assistant turn extends the record only when the client sends it back as it was answered:
 its text, its tool calls and its reasoning (OpenAI `reasoning_content`, Anthropic `thinking`
@@ -21,7 +29,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from instar.agents.chat import Message, canonical, continuation_ids, prompt_ids
+from instar.agents.chat import Message, Rendered, canonical, continuation, prompt_ids
 from instar.sample import Sample, fit_routing
 
 
@@ -55,6 +63,8 @@ class Turn:
     key: str
     images: list[str] = field(default_factory=list)
     """Data URLs of the conversation's images, in order."""
+    rendered: Rendered | None = None
+    """The history's text, kept for the next turn when this one is recorded."""
 
 
 class Session:
@@ -72,6 +82,7 @@ class Session:
         """The episode failed outside the agent's code (the model sampled an image placeholder)."""
         self.segments: list[Segment] = []
         self.history: list[Message] = []  # canonical messages up to the last reply
+        self.rendered: Rendered | None = None  # (a start of the history, as rendered)
         self.tools: list[dict] | None = None
         self.last_key, self.last_reply = "", None
         self.ended_with_eos, self.finish_reason, self.turns = True, "stop", 0
@@ -96,9 +107,10 @@ class Session:
         elif msgs[:len(self.history)] != self.history:
             reason = "history_rewritten"
         if reason is None:
-            ids = continuation_ids(self.tokenizer, self.history, msgs, tools, self.ended_with_eos)
+            ids, rendered = continuation(self.tokenizer, self.history, msgs, tools,
+                                         self.ended_with_eos, self.rendered)
             if ids is not None:
-                return Turn(self.segments[-1].tokens + ids, None, key, images)
+                return Turn(self.segments[-1].tokens + ids, None, key, images, rendered)
             reason = "template_rewrites_history"
         return Turn(prompt_ids(self.tokenizer, msgs, tools), reason, key, images)
 
@@ -125,6 +137,7 @@ class Session:
         seg.extend(list(gen.token_ids), list(gen.logprobs), list(gen.versions))
         seg.images, seg.routing = turn.images, gen.routed_experts
         self.history = [canonical(m) for m in messages] + [canonical(reply)]
+        self.rendered = turn.rendered
         self.tools = tools
         self.ended_with_eos = gen.token_ids[-1:] == [self.tokenizer.eos_token_id]
         self.finish_reason, self.turns = gen.finish_reason, self.turns + 1
