@@ -57,7 +57,8 @@ def agent_of(config: dict, samples_file: Path) -> str:
     agent = config.get("agent", {}).get("file") or "built-in"
     if samples_file.parent.parent.name == "adapters":
         name = samples_file.parent.name
-        adapter = next((a for a in config.get("lora", {}).get("adapters", []) if a.get("name") == name), {})
+        adapters = config.get("lora", {}).get("adapters", [])
+        adapter = next((a for a in adapters if a.get("name") == name), {})
         return f"{name}: {adapter.get('agent') or agent}"
     return agent
 
@@ -75,8 +76,9 @@ def load_tokenizer(config: dict, override: str):
             spec = builtin_model(m.get("kind", "dense"), m.get("size", "tiny"), m.get("seed", 0))
         return AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the tokenizer of {spec} ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}); pass --tokenizer DIR") from e
+        first = (str(e).splitlines() or [""])[0]
+        raise ValueError(f"cannot load the tokenizer of {spec} ({type(e).__name__}: {first}); "
+                         "pass --tokenizer DIR") from e
 
 
 def pieces(tokenizer, ids: list[int]) -> list[str]:
@@ -90,7 +92,7 @@ def pieces(tokenizer, ids: list[int]) -> list[str]:
         if text.endswith("\ufffd") and i + 1 < len(ids):
             out.append("")  # (an unfinished character: shown with the token that ends it)
             continue
-        out.append(text[len(before):] if text.startswith(before) else tokenizer.decode(ids[i:i + 1]))
+        out.append(text[len(before):] if text.startswith(before) else tokenizer.decode(ids[i]))
         done = i + 1
     return out
 
@@ -158,8 +160,8 @@ def page(paths: list[Path], tokenizer: str = "") -> tuple[str, dict]:
         root = path if path.is_dir() else path.parent
         config = read_config(root)
         tok = load_tokenizer(config, tokenizer)
-        specials.update(tok.all_special_tokens, (t.content for t in tok.added_tokens_decoder.values()
-                                                 if t.special))
+        specials.update(tok.all_special_tokens,
+                        (t.content for t in tok.added_tokens_decoder.values() if t.special))
         m = config.get("model", {})
         runs.append({"path": str(path), "model": tokenizer or m.get("path") or
                      f"built-in {m.get('kind', 'dense')}-{m.get('size', 'tiny')}"})
@@ -182,6 +184,6 @@ def write(paths: list[str], out: str = "", tokenizer: str = "") -> Path:
         raise ValueError("give a run directory or a samples file (rollouts.jsonl)")
     ps = [Path(p) for p in paths]
     html, _ = page(ps, tokenizer)
-    dest = Path(out) if out else ps[0] / "view.html" if ps[0].is_dir() else ps[0].with_suffix(".html")
+    dest = Path(out or (ps[0] / "view.html" if ps[0].is_dir() else ps[0].with_suffix(".html")))
     dest.write_text(html)
     return dest

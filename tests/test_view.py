@@ -50,7 +50,8 @@ def make_run(root: Path, tokenizer, agent: str, steps=(1, 2)) -> Path:
     cfg.agent.file = agent
     (root / "config.yaml").write_text(cfg.to_yaml())
     user = [{"role": "user", "content": "What is 2+3? Naïve café ✓"}]
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
+    call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+            "<|im_end|>")
     for step in steps:
         v = step - 1
         turn1 = generated(tokenizer, call, v - 1 if step > 1 else v)  # (lag 1 from step 2 on)
@@ -128,6 +129,23 @@ def test_the_page_holds_each_episode_with_its_segments_tokens_and_failure(runs):
     assert json.loads(blob.group(1)) == data
 
 
+def test_instar_rollout_output_has_no_step_and_lags_count_from_its_newest_version(tmp_path,
+                                                                                  tokenizer):
+    run = tmp_path / "rollout"
+    run.mkdir()
+    (run / "config.yaml").write_text(Config().to_yaml())
+    user = [{"role": "user", "content": "Reverse: abc"}]
+    write_jsonl(run / "rollouts.jsonl", [  # as instar rollout writes it: no notes but the text
+        sample(f"rollout-rev-{k}", [(prompt_ids(tokenizer, user, None), None, None),
+                                    generated(tokenizer, "cba<|im_end|>", k)], 1.0, "stop")
+        for k in range(3)], tokenizer)
+    (run / "failed_rollouts.jsonl").write_text("")
+    _, data = page([run])
+    assert [(e["step"], e["policy"]) for e in data["episodes"]] == [(None, 2)] * 3
+    assert data["runs"][0]["model"] == "built-in dense-tiny"
+    assert {e["agent"] for e in data["episodes"]} == {"built-in"}
+
+
 def test_instar_view_writes_the_page_and_refuses_bad_input_in_one_line(runs, tmp_path, capsys):
     main(["view", str(runs[0])])
     assert capsys.readouterr().out.strip() == str(runs[0] / "view.html")
@@ -149,8 +167,8 @@ def test_instar_view_writes_the_page_and_refuses_bad_input_in_one_line(runs, tmp
         assert err.startswith("instar view: error: ") and error in err, err
 
 
-@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no browser at {CHROMIUM}: install Debian's "
-                    "chromium package (scripts/setup_cpu.sh does, where it runs as root)")
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no browser at {CHROMIUM}: install "
+                    "Debian's chromium package (scripts/setup_cpu.sh does, where it runs as root)")
 def test_the_page_renders_in_headless_chromium(runs, tmp_path):
     from playwright.sync_api import sync_playwright
 
@@ -178,14 +196,16 @@ def test_the_page_renders_in_headless_chromium(runs, tmp_path):
         assert pg.locator("details.ep").first.locator(".part.ctx .tok.gen").count() == 0
         assert pg.locator("details.ep").first.locator(".tok.call").count() > 0
         assert pg.locator("details.ep").first.locator(".tok.result").count() > 0
-        assert "not trained" in pg.locator("details.ep").first.locator(".part.ctx").first.text_content()
+        between = pg.locator("details.ep").first.locator(".part.ctx")
+        assert "not trained" in between.first.text_content()
         # colours: each generated token has a background under log-prob; lag marks only lag > 0
         assert all(gen.evaluate_all("ts => ts.map(t => t.style.background !== '')"))
         pg.select_option("#f-colour", "lag")
-        lagged = pg.locator(".tok.gen").evaluate_all("ts => ts.filter(t => t.style.background).length")
+        coloured = "ts => ts.filter(t => t.style.background).length"
+        lagged = pg.locator(".tok.gen").evaluate_all(coloured)
         assert 0 < lagged < pg.locator(".tok.gen").count()
         pg.select_option("#f-colour", "diff")
-        assert pg.locator(".tok.gen.norec").count() == 0  # (every dumped line has trainer log-probs)
+        assert pg.locator(".tok.gen.norec").count() == 0  # (each line has trainer log-probs)
         # filters: step, outcome, agent, reward
         pg.select_option("#f-step", "2")
         assert pg.locator("details.ep").count() == 3  # two episodes, a failure
