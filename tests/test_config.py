@@ -444,3 +444,45 @@ def test_lora_flags_belong_to_their_commands(command, flags, error, capsys):
     with pytest.raises(SystemExit):
         main([command, *flags])
     assert error in capsys.readouterr().err
+
+
+RECIPE_ADAPTERS = """
+lora:
+  rank: 8
+  adapters:
+    - {name: a, lr: 1.0e-4}
+    - {name: b, agent: b.py, train: b.jsonl, max_staleness: 0, agent_config: {k: v}}
+"""
+
+
+def test_lora_adapters_come_from_the_config_file_and_shape_each_lane(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE_ADAPTERS)
+    cfg = load_yaml(str(recipe))
+    cfg.train.lr, cfg.data.train, cfg.agent.file = 1e-3, "all.jsonl", "all.py"
+    (a, ca), (b, cb) = cfg.validate().lanes()
+    assert (a, ca.train.lr, ca.agent.file, ca.data.train, ca.rollout.max_staleness) == \
+        ("a", 1e-4, "all.py", "all.jsonl", 1)
+    assert (b, cb.train.lr, cb.agent.file, cb.agent.config, cb.data.train,
+            cb.rollout.max_staleness) == ("b", 1e-3, "b.py", {"k": "v"}, "b.jsonl", 0)
+    assert Config().lanes() == [("", Config())]
+    recipe.write_text("lora: {adapters: [{name: a, lr: fast}]}")
+    with pytest.raises(ValueError, match=re.escape("lora.adapters[0].lr: expected float")):
+        load_yaml(str(recipe))
+    assert "--lora.adapters" not in subprocess.run(  # (a list of tables: config file only)
+        [sys.executable, "-m", "instar.cli", "rl", "--help"], capture_output=True,
+        text=True).stdout
+
+
+@pytest.mark.parametrize("adapters,settings,message", [
+    ([{"name": "a"}], {}, "give --lora.rank R too"),
+    ([{"name": "a"}, {"name": "a"}], {"lora__rank": 8}, "a name of its own"),
+    ([{"name": "a.b"}], {"lora__rank": 8}, "a name of its own"),
+    ([{"name": "a", "lr": -1.0}], {"lora__rank": 8}, "lr must be >= 0"),
+    ([{"name": "a"}], {"lora__rank": 8, "algo__estimator": "gae"}, "cannot share"),
+])
+def test_bad_lora_adapters_are_refused(adapters, settings, message):
+    cfg = changed(**settings)
+    cfg.lora.adapters = from_dict(Config, {"lora": {"adapters": adapters}}).lora.adapters
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cfg.validate()

@@ -68,6 +68,16 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash)
 
 
+def replace_folder(new: Path, folder: Path) -> None:
+    """Move the complete folder `new` to `folder`; one already there (a resumed run's earlier
+    export) is renamed aside first and deleted after."""
+    old = folder.with_name(f".tmp-old-{folder.name}")
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(new, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save(root: Path, step: int, model, optimizer, state: dict, keep: int) -> Path:
     """Write `root/step-{step:08d}`, point `root/latest` at it and keep the newest `keep`.
 
@@ -139,4 +149,4 @@ def export_hf(base: Path, out: Path, write_weights) -> None:
     write_weights(str(tmp / "model.safetensors"))
     for path in (tmp, *tmp.rglob("*")):
         path.chmod(0o755 if path.is_dir() else 0o644)
-    os.replace(tmp, out)
+    replace_folder(tmp, out)

@@ -6,7 +6,6 @@ makes it a PEFT folder: PEFT loads that onto the base model and vLLM serves it (
 """
 
 import json
-import os
 import re
 import tempfile
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from instar.config import LoraConfig
+from instar.train.checkpoint import export_hf, replace_folder
 
 ENGINE_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ranks vLLM sizes its adapter slots for (`max_lora_rank`); an adapter may be smaller."""
@@ -93,7 +93,7 @@ def write(adapter: dict, folder: Path) -> Path:
     (tmp / "adapter_config.json").write_text(json.dumps(adapter["config"], indent=2))
     for path in (tmp, *tmp.iterdir()):
         path.chmod(0o755 if path.is_dir() else 0o644)
-    os.replace(tmp, folder)
+    replace_folder(tmp, folder)
     return folder
 
 
@@ -119,8 +119,6 @@ def read(folder: str | Path) -> dict:
 def export(adapter: dict, base: Path, out: Path, merge: bool, dtype: torch.dtype) -> None:
     """A run's final/: the adapter as a PEFT folder on `base`; with `merge`, also final/merged,
     the base with the adapter merged in (a Hugging Face folder)."""
-    from instar.train.checkpoint import export_hf
-
     write({**adapter, "config": {**adapter["config"], "base_model_name_or_path": str(base)}}, out)
     if merge:
         export_hf(base, out / "merged",
