@@ -65,6 +65,9 @@ ADD = {"type": "function", "function": {
         "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
         "required": ["a", "b"]}}}
 CALL = {"name": "add", "arguments": {"a": 2, "b": 3}}
+"""The call as a parser returns it (and as the gateway keeps it: `canonical`)."""
+CALLED = {"type": "function", "function": CALL}
+"""The call as Hugging Face chat templates expect it in a message."""
 QUESTION = {"role": "user", "content": "What is 2+3?"}
 THOUGHT = "2 and 3 make 5."
 
@@ -76,23 +79,39 @@ def reply(content: str, thought: str | None = None, calls: list | None = None) -
 
 
 def conversation(tools: bool, reasoning: bool) -> list[Message]:
-    """The scripted episode, in the gateway's canonical form."""
+    """The scripted episode."""
     think = (lambda text: text) if reasoning else (lambda text: None)
-    call = [reply("Let me add.", think("I should call add."), [CALL]),
+    call = [reply("Let me work it out.", think("I should call add."), [CALLED]),
             {"role": "tool", "content": "5"}] if tools else []
     return [QUESTION, *call, reply("The sum is 5.", think(THOUGHT)),
             {"role": "user", "content": "And 3+4?"}, reply("7.", think("3 and 4 make 7.")),
             {"role": "user", "content": "Thanks."}]
 
 
+def shared(tok, a: str, b: str) -> int:
+    """The length of the start `a` and `b` share, not ending inside an added token's string."""
+    i = len(os.path.commonprefix([a, b]))
+    for token in tok.get_added_vocab():
+        for text in (a, b):
+            start = text.rfind(token, 0, i + len(token) - 1)  # (the last that starts before i)
+            if start >= 0 and start + len(token) > i:
+                i = start
+    return i
+
+
+def generation_prompt(tok, messages: list[Message], tools: list | None) -> str:
+    """What the template adds after `messages` for the assistant to answer."""
+    prompt = render(tok, messages, tools, True)
+    return prompt[shared(tok, render(tok, messages, tools, False), prompt):]
+
+
 def reply_text(tok, before: list[Message], message: Message, tools: list | None) -> str:
     """What the model generates for `message` after `before`: the template's text of it as the
     last turn, from the end of the generation prompt to the end-of-turn token."""
-    bare, prompt = render(tok, before, tools, False), render(tok, before, tools, True)
-    cue = prompt[len(os.path.commonprefix([bare, prompt])):]  # e.g. "<|im_start|>assistant\n"
+    cue = generation_prompt(tok, before, tools)  # e.g. "<|im_start|>assistant\n"
     full = render(tok, before + [message], tools, False)
     start = full.rindex(cue) + len(cue) if cue and cue in full else \
-        len(os.path.commonprefix([prompt, full]))  # (no cue, or one unlike history's)
+        shared(tok, render(tok, before, tools, True), full)  # (no cue, or unlike history's)
     return full[start:].split(tok.eos_token)[0]
 
 
@@ -126,12 +145,15 @@ def appended(tok, messages: list[Message], tools: list | None, env: bool
     return None, None if ids == fresh else len(os.path.commonprefix([ids, fresh]))
 
 
+RAISED = "the template raised"
+
+
 def safely(fn, *args):
     """`fn(*args)`, or the line a template's own error makes (templates raise anything)."""
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 (jinja's errors, a template's raise_exception, ...)
-        return f"the template raised {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        return f"{RAISED} {type(e).__name__}: {' '.join(str(e).split())[:160]}"
 
 
 SCENARIOS = {"plain": (False, False), "tools": (True, False), "reasoning": (False, True),
@@ -148,12 +170,13 @@ def prefix_stability(tok) -> dict[tuple[str, str], tuple[str | None, int | None]
 
 
 def stability(stable: dict) -> Finding:
-    lines = [f"{label}: " + ", ".join(
-        f"{name} " + ("rewritten" if stable[path, name][0] else "stable") + (
-            "" if stable[path, name][1] is None else
-            f" (its tokens part from a fresh render of the episode at token "
-            f"{stable[path, name][1]})")
-        for name in SCENARIOS) for path, label in (("env", "Env loop"), ("gateway", "gateway"))]
+    def state(path, name):
+        problem, part = stable[path, name]
+        return ("stable" if not problem else "cannot render" if problem.startswith(RAISED)
+                else "rewritten") + ("" if part is None else " (its tokens part from a fresh "
+                                     f"render of the episode at token {part})")
+    lines = [f"{label}: " + ", ".join(f"{name} {state(path, name)}" for name in SCENARIOS)
+             for path, label in (("env", "Env loop"), ("gateway", "gateway"))]
     return Finding("prefix stability", WARN if any(p for p, _ in stable.values()) else OK,
                    "\n".join(lines))
 
@@ -166,9 +189,7 @@ def turns(tok, folder: Path) -> list[Finding]:
     if eos is None:
         return [Finding("end of turn", BLOCK, "the tokenizer has no eos_token: instar appends "
                         "each next turn after it")]
-    bare, prompted = render(tok, [QUESTION], None, False), render(tok, [QUESTION], None, True)
-    out = [Finding("generation prompt", OK, repr(prompted[len(os.path.commonprefix(
-        [bare, prompted])):]))]
+    out = [Finding("generation prompt", OK, repr(generation_prompt(tok, [QUESTION], None)))]
     full = render(tok, [QUESTION, reply("The sum is 5.")], None, False)
     end = full[full.rindex("The sum is 5.") + len("The sum is 5."):]
     if end.split(eos)[0].strip() or eos not in end:
@@ -198,19 +219,27 @@ def round_trip(tok, parsers) -> list[Finding]:
         out.append(Finding("tool calls", WARN, "no tool parser (none): replies' calls are not "
                            "parsed"))
     else:
-        text = reply_text(tok, [QUESTION], reply("Let me add.", None, [CALL]), [ADD])
+        text = reply_text(tok, [QUESTION], reply("Let me work it out.", None, [CALLED]), [ADD])
         got = parsers.parse(text)
+        loose = [(c["name"], {k: str(v) for k, v in c["arguments"].items()})
+                 for c in got.tool_calls]
         out.append(Finding("tool calls", OK, f"{tool} reads back the call the template writes, "
                            f"{text!r}") if got.tool_calls == [CALL] else Finding(
+            "tool calls", WARN, f"{tool} reads back the call the template writes ({text!r}) but "
+            f"its arguments as {got.tool_calls[0]['arguments']}: their JSON types are lost")
+            if loose == [("add", {"a": "2", "b": "3"})] else Finding(
+            "tool calls", WARN, f"the template writes no tool call into history ({text!r}): the "
+            "model has no tool-call format") if "add" not in text else Finding(
             "tool calls", BLOCK, f"the template writes a call as {text!r}; the tool parser "
             f"{tool} reads {got.tool_calls or 'no call'}" + (
                 f" ({got.tool_call_errors} begun that did not parse)" if got.tool_call_errors
                 else "") + ": set --model.tool-parser to the template's format"))
     text = reply_text(tok, [QUESTION], reply("The sum is 5.", THOUGHT), None)
+    if THOUGHT not in text:  # (the template writes no reasoning: "reasoning in history")
+        return out
     if parsers.reasoning is None:
-        if THOUGHT in text:
-            out.append(Finding("reasoning", WARN, f"the template writes reasoning ({text!r}) but "
-                               "no reasoning parser is set: it stays in the reply's text"))
+        out.append(Finding("reasoning", WARN, f"the template writes reasoning ({text!r}) but "
+                           "no reasoning parser is set: it stays in the reply's text"))
         return out
     got = parsers.parse(text)
     fine = (got.reasoning or "").strip() == THOUGHT and got.content.strip() == "The sum is 5."
@@ -232,7 +261,7 @@ def control_tokens(tok) -> Finding:
     text = " ".join(marks) + "\n"
     made = [t for t in tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False))
             if t in marks]
-    episode = lambda s: [{"role": "user", "content": s}, reply("", None, [CALL]),  # noqa: E731
+    episode = lambda s: [{"role": "user", "content": s}, reply("", None, [CALLED]),  # noqa: E731
                          {"role": "tool", "content": s}]
     try:
         hostile, plain = (prompt_ids(tok, episode(s), [ADD]) for s in (text, "x\n"))
@@ -253,7 +282,7 @@ def reasoning_history(tok) -> Finding:
     if THOUGHT not in render(tok, [QUESTION, reply("The sum is 5.", THOUGHT)], None, False):
         return Finding("reasoning in history", OK, "the template never writes reasoning_content")
     after_user = [QUESTION, reply("The sum is 5.", THOUGHT), {"role": "user", "content": "Ok?"}]
-    after_tool = [QUESTION, reply("", THOUGHT, [CALL]), {"role": "tool", "content": "5"}]
+    after_tool = [QUESTION, reply("", THOUGHT, [CALLED]), {"role": "tool", "content": "5"}]
     dropped = [where for where, msgs, tools in (("a user turn", after_user, None),
                                                 ("a tool result", after_tool, [ADD]))
                if THOUGHT not in render(tok, msgs, tools, True)]
@@ -287,30 +316,36 @@ def routers(folder: Path) -> tuple[int, int, str]:
 
 
 def features(stable: dict, moe: tuple[int, int, str]) -> list[Finding]:
-    def broken(path, names) -> str:
-        """'plain, tools: at turn 2 ...' for the scenarios that break, alike ones together."""
+    def where(path: str, names, raised: bool) -> str:
+        """'plain, tools: at turn 2 ...' for the scenarios whose render raised (`raised`) or
+        was rewritten, alike ones together."""
         why: dict[str, list[str]] = {}
         for name in names:
-            if stable[path, name][0]:
-                why.setdefault(stable[path, name][0], []).append(name)
+            if (p := stable[path, name][0]) and p.startswith(RAISED) == raised:
+                why.setdefault(p, []).append(name)
         return "; ".join(f"{', '.join(names)}: {text}" for text, names in why.items())
 
-    base, thinking = ("plain", "tools"), ("reasoning", "tools+reasoning")
     out = [stability(stable)]
-    if broken("env", base):
-        out.append(Finding("Env continuation", BLOCK, "unsafe: multi-turn Env episodes fail "
-                           "(EpisodeError template). " + broken("env", base)))
-    elif broken("env", thinking):
-        out.append(Finding("Env continuation", WARN, "safe without reasoning; with it, an "
-                           "episode fails (EpisodeError template) where "
-                           + broken("env", thinking)))
+    fails = where("env", ("plain", "tools"), False) or where("env", ("plain",), True)
+    rewrites, raises = where("env", SCENARIOS, False), where("env", SCENARIOS, True)
+    if fails:
+        out.append(Finding("Env continuation", BLOCK, "unsafe: a multi-turn Env episode fails "
+                           "(EpisodeError template; single-turn ones are unaffected) where "
+                           + fails))
+    elif rewrites or raises:
+        out.append(Finding("Env continuation", WARN, "safe, but " + " and ".join(filter(None, [
+            rewrites and f"an episode fails (EpisodeError template) where {rewrites}",
+            raises and f"the template cannot render where {raises}"]))))
     else:
         out.append(Finding("Env continuation", OK, "safe: every turn extends the last "
                            "(with and without tools and reasoning)"))
-    gateway = broken("gateway", base + thinking)
-    out.append(Finding("gateway capture", WARN if gateway else OK,
-                       "a new segment (template_rewrites_history) where " + gateway
-                       if gateway else "one segment per episode: every turn extends the last"))
+    rewrites, raises = where("gateway", SCENARIOS, False), where("gateway", SCENARIOS, True)
+    out.append(Finding(
+        "gateway capture", BLOCK if where("gateway", ("plain",), True) else
+        WARN if rewrites or raises else OK, "; ".join(filter(None, [
+            rewrites and f"a new segment (template_rewrites_history) where {rewrites}",
+            raises and f"requests fail where {raises}"]))
+        or "one segment per episode: every turn extends the last"))
     experts, hooked, kind = moe
     if not experts:
         out.append(Finding("routing replay", OK, f"not needed: {kind} is not a mixture of "
@@ -323,7 +358,7 @@ def features(stable: dict, moe: tuple[int, int, str]) -> list[Finding]:
         out.append(Finding("routing replay", OK, f"{hooked} routers replay the experts the engine "
                            "recorded over each sample's tokens (GPU engines record them, CPU ones "
                            "do not); " + ("each segment's routing comes from its own last turn"
-                                          if gateway else "every turn extends the last, so the "
+                                          if rewrites else "every turn extends the last, so the "
                                           "last turn's routing covers the earlier turns too")))
     return out
 

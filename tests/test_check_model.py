@@ -6,6 +6,7 @@ are imported once (some seconds), no engine starts. Its predictions are checked 
 instar's real Env loop and gateway session, played with scripted replies."""
 
 import asyncio
+import re
 import shutil
 
 import pytest
@@ -43,8 +44,9 @@ CHATML = """\
 {% set thought = parts[0].split('<think>')[-1] %}{% set content = parts[-1] %}{% endif %}\
 <|im_start|>assistant
 {% if thought and loop.index0 > ns.last_query %}<think>{{ thought }}</think>{% endif %}{{ content }}
-{%- for c in m.tool_calls or [] %}<tool_call>{"name": {{ c.name | tojson }}, "arguments": \
-{{ c.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
+{%- for c in m.tool_calls or [] %}{% set f = c.function if c.function is defined else c %}\
+<tool_call>{"name": {{ f.name | tojson }}, "arguments": {{ f.arguments | tojson }}}</tool_call>\
+{% endfor %}<|im_end|>
 {% elif m.role == 'tool' %}<|im_start|>user
 <tool_response>{{ m.content }}</tool_response><|im_end|>
 {% else %}<|im_start|>{{ m.role }}
@@ -70,8 +72,9 @@ Environment: ipython
 {%- for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}\
 <|end_header_id|>
 
-{% for c in m.tool_calls or [] %}<|python_tag|>{"name": {{ c.name | tojson }}, "parameters": \
-{{ c.arguments | tojson }}}{% else %}{{ m.content }}{% endfor %}<|eot_id|>
+{% for c in m.tool_calls or [] %}{% set f = c.function if c.function is defined else c %}\
+<|python_tag|>{"name": {{ f.name | tojson }}, "parameters": {{ f.arguments | tojson }}}\
+{% else %}{{ m.content }}{% endfor %}<|eot_id|>
 {%- endfor %}
 {%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
 
@@ -180,6 +183,9 @@ def test_a_tool_format_the_parser_cannot_read_is_named_and_blocks(tmp_path, tiny
     builtin = builtin_model("dense", "tiny", 0)
     assert exit_code(builtin, "--model.tool-parser", "qwen3_coder") == 1
     assert "qwen3_coder reads no call" in findings(builtin, "qwen3_coder")["tool calls"][1]
+    no_calls = re.sub(r"\{%- for c in m\.tool_calls.*?\{% endfor %\}", "", HERMES, flags=re.S)
+    level, text = findings(checkpoint(tmp_path, tiny_model, no_calls))["tool calls"]
+    assert level == WARN and "writes no tool call into history" in text  # (not the parser's)
 
 
 def test_a_template_that_rewrites_history_is_named_and_blocks(tmp_path, tiny_model, capsys):
