@@ -82,7 +82,7 @@ Environment: ipython
 LLAMA_SPECIAL = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
 
 
-def checkpoint(tmp_path, tiny_model, template: str, tokens=(), special=(), eos=None):
+def checkpoint(tmp_path, tiny_model, template: str | None, tokens=(), special=(), eos=None):
     """A checkpoint folder with the built-in tokenizer given this template and tokens (and the
     built-in config.json; no weights)."""
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -112,7 +112,7 @@ def exit_code(folder, *flags) -> int:
     return 0
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "vl"])
 def test_the_builtin_models_pass(kind, capsys):
     from instar.tasks.tiny_model import builtin_model
 
@@ -200,7 +200,9 @@ def test_a_template_that_rewrites_history_is_named_and_blocks(tmp_path, tiny_mod
 
 
 def test_a_bad_folder_or_parser_is_one_line_and_exit_2(tmp_path, tiny_model, capsys):
+    bare = checkpoint(tmp_path, tiny_model, None)
     for args, error in [([str(tmp_path / "no")], "no config.json"),
+                        ([str(bare)], "the tokenizer has no chat template"),
                         ([str(tiny_model), "--model.tool-parser", "hermez"],
                          "--model.tool-parser 'hermez' is not a vLLM parser")]:
         assert exit_code(*args) == 2
