@@ -407,13 +407,14 @@ def run_checks(folder: Path, tok, tool_parser: str = "", reasoning_parser: str =
 def show(spec: str, findings: list[Finding]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     style = {OK: "green", WARN: "yellow", BLOCK: "bold red"}
     table = Table(title=f"instar check-model {spec}", show_lines=True)
     for column in ("check", "", "finding"):
         table.add_column(column)
-    for f in findings:
-        table.add_row(f.check, f"[{style[f.level]}]{f.level}[/]", f.text)
+    for f in findings:  # (Text: a template's "[INST]" is no markup)
+        table.add_row(f.check, Text(f.level, style[f.level]), Text(f.text))
     console = Console()
     console.print(table, soft_wrap=False)
     blocking = [f.check for f in findings if f.level == BLOCK]

@@ -81,6 +81,22 @@ Environment: ipython
 {% endif %}"""
 LLAMA_SPECIAL = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
 
+MISTRAL = """\
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}{% if m.reasoning_content %}[THINK]{{ m.reasoning_content }}\
+[/THINK]{% endif %}{{ m.content }}{% for c in m.tool_calls or [] %}\
+{% set f = c.function if c.function is defined else c %}[TOOL_CALLS]{{ f.name }}[ARGS]\
+{{ f.arguments | tojson }}{% endfor %}</s>
+{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
+{%- else %}[INST]{{ m.content }}[/INST]
+{%- endif %}
+{%- endfor %}"""
+"""No generation prompt; user turns have no end token."""
+MISTRAL_SPECIAL = ["</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]",
+                   "[/TOOL_RESULTS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[THINK]",
+                   "[/THINK]"]
+
 
 def checkpoint(tmp_path, tiny_model, template: str | None, tokens=(), special=(), eos=None):
     """A checkpoint folder with the built-in tokenizer given this template and tokens (and the
@@ -149,6 +165,17 @@ def test_llama3_passes_and_a_trimming_template_is_outside_the_literal_defence(
                           special=LLAMA_SPECIAL, eos="<|eot_id|>")
     level, text = findings(trimming)["control tokens"]
     assert level == WARN and "literal rendering does not apply" in text
+
+
+def test_mistral_passes_and_its_markup_prints(tmp_path, tiny_model, capsys):
+    folder = checkpoint(tmp_path, tiny_model, MISTRAL, special=MISTRAL_SPECIAL, eos="</s>")
+    found = findings(folder)
+    assert {level for level, _ in found.values()} == {OK}, found
+    assert found["generation prompt"][1] == "''"
+    assert "mistral reads back the call" in found["tool calls"][1]
+    assert "mistral reads back the reasoning" in found["reasoning"][1]
+    assert exit_code(folder) == 0
+    assert "[TOOL_CALLS]add[ARGS]" in " ".join(capsys.readouterr().out.split())  # (no markup)
 
 
 def test_the_wrong_eos_token_blocks(tmp_path, tiny_model, capsys):
