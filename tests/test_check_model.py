@@ -1,9 +1,9 @@
 """`instar check-model` on tokenizer folders written here, one per chat-template family: the
 built-in models, ChatML/Hermes with reasoning, Llama-3, Mistral, a Qwen3-style template that
 drops reasoning from earlier turns, one whose tool calls the parser cannot read, one with the
-wrong eos_token and one that re-renders history every turn. Tokenizer and config only; vLLM's parsers
-are imported once (some seconds), no engine starts. Its predictions are checked against
-instar's real Env loop and gateway session, played with scripted replies."""
+wrong eos_token and one that re-renders history every turn. Tokenizer and config only; vLLM's
+parsers are imported once (some seconds), no engine starts. Its predictions are checked
+against instar's real Env loop and gateway session, played with scripted replies."""
 
 import asyncio
 import re
