@@ -38,9 +38,11 @@ class Finding:
     """A line of the report. Example: Finding("tool calls", "block", "hermes reads no call")."""
 
     check: str
+    """What was checked: "tool calls", "Env continuation", ..."""
     level: str
     """ok, warn (works, with a limit worth knowing) or block (instar cannot train this way)."""
     text: str
+    """What was found, with the template's own text where it matters."""
 
 
 @dataclass
