@@ -2,5 +2,7 @@
 
 from instar.agents.contract import Action, ChatAgent, ChatContext, Env, Result, Task
 from instar.agents.judge import Judge, parse_score
+from instar.errors import InfraError
 
-__all__ = ["Action", "ChatAgent", "ChatContext", "Env", "Judge", "Result", "Task", "parse_score"]
+__all__ = ["Action", "ChatAgent", "ChatContext", "Env", "InfraError", "Judge", "Result", "Task",
+           "parse_score"]

@@ -1,7 +1,7 @@
 """instar's command line: rl (train), sft (supervised), eval (a checkpoint on held-out
 tasks), rollout (no training), serve (engine + gateway), make-model (build a tiny model),
 check-model (a checkpoint's chat template and tokenizer, checked for instar), view (a run's
-episodes as one HTML page)."""
+episodes as one HTML page), replay (a step recomputed from its replay bundle)."""
 
 import argparse
 import dataclasses
@@ -47,9 +47,23 @@ class View:
     """The tokenizer that decodes the tokens (a folder or Hub id). Empty: the run's model's."""
 
 
+@dataclass
+class Replay:
+    """Recompute a step of instar rl from its replay bundle, on this machine's CPU, and compare
+    it with the run (instar/replay.py)."""
+
+    bundle: tyro.conf.Positional[str]
+    """The bundle: a folder runs/RUN/bundles/step-N (written with --logging.bundle-every)."""
+    ranks: int = 0
+    """Training ranks (processes) to replay on. 0: as many as the run had."""
+    tolerance: float = 0.0
+    """The largest |difference| accepted in the loss, the grad norm and any updated weight. 0:
+    bitwise, what the run's rank count gives; another rank count sums in another order."""
+
+
 SECTIONS = {
-    "rl": ("model", "data", "agent", "rollout", "eval", "lora", "train", "algo", "checkpoint",
-           "logging", "cluster"),
+    "rl": ("model", "data", "agent", "rollout", "eval", "lora", "train", "algo", "health",
+           "checkpoint", "logging", "cluster"),
     "sft": ("model", "data", "eval", "lora", "train", "checkpoint", "logging", "cluster"),
     "eval": ("model", "data", "agent", "rollout", "eval", "lora", "logging", "cluster"),
     "rollout": ("model", "data", "agent", "rollout", "lora", "logging", "cluster"),
@@ -74,6 +88,9 @@ HELP = {
     "view": "Write runs' episodes as one HTML page. Each conversation token by token (coloured by "
             "log-prob, version lag or engine-vs-trainer difference), failures with their "
             "tracebacks, filters; one self-contained file, no server.",
+    "replay": "Recompute a step of instar rl from its replay bundle. On a CPU, with no Ray or "
+              "engines: its loss, grad norm and updated weights against the run's; exit 1 if "
+              "they differ beyond --tolerance.",
     "check-model": "Check a checkpoint's chat template and tokenizer for instar. Prefix "
                    "stability, tool-call round trip, control tokens, reasoning in history, and "
                    "the features safe with the model; exit 1 on a blocking problem.",
@@ -133,12 +150,13 @@ def rl(argv: list[str]) -> None:
     cfg, printed = parse("rl", argv)
     if printed:
         return
+    from instar.health import HealthError
     from instar.inputs import run_inputs
     from instar.loop import run
 
     with checks("rl"):
         inputs = [run_inputs(c) for _, c in cfg.lanes()]
-    with checks("rl", (LayoutError,)):  # (a cluster too small for the layout)
+    with checks("rl", (LayoutError, HealthError)):  # (a cluster too small; a health stop)
         summary = run(cfg, inputs)
     print_summary(summary)
 
@@ -272,8 +290,28 @@ def view(argv: list[str]) -> None:
         print(write(args.paths, args.out, args.tokenizer))
 
 
+def replay(argv: list[str]) -> None:
+    from instar.bundle import read
+
+    args = tyro.cli(Replay, args=argv, prog="instar replay", description=HELP["replay"])
+    with checks("replay"):
+        if args.ranks < 0 or args.tolerance < 0:
+            raise ValueError("--ranks and --tolerance must be >= 0")
+        bundle = read(args.bundle)
+    from instar.replay import compare, rerun
+
+    world = args.ranks or bundle.meta["ranks"]
+    print(f"instar replay: step {bundle.meta['step']} of {bundle.folder.parent.parent} "
+          f"(trained on {bundle.meta['ranks']} ranks, replayed on {world})", flush=True)
+    lines, ok = compare(bundle, rerun(bundle, world), args.tolerance)
+    print("\n".join(lines))
+    if not ok:
+        sys.exit(f"instar replay: the replay differs from the run beyond --tolerance "
+                 f"{args.tolerance:g}")
+
+
 COMMANDS = {"rl": rl, "sft": sft, "eval": eval_, "rollout": rollout, "serve": serve,
-            "make-model": make_model, "check-model": check_model, "view": view}
+            "make-model": make_model, "check-model": check_model, "view": view, "replay": replay}
 
 
 def usage() -> str:

@@ -383,6 +383,25 @@ class AlgoConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Per-step rates checked during `instar rl` (instar/health.py; docs/metrics.md): each
+    takes two thresholds, the first warns and the second stops the run with a diagnosis."""
+
+    tool_parse_failures: tuple[float, float] = (0.5, 1.0)
+    """Share of the step's tool calls that did not parse: warn above the first, stop above the
+    second (1: never). Also checked on the preflight's samples, before step 1."""
+    tool_calls: tuple[float, float] = (0.0, 0.0)
+    """Parsed tool calls per episode: warn below the first, stop below the second (0: never)."""
+    infra_errors: tuple[float, float] = (0.1, 1.0)
+    """Share of episodes lost to the infrastructure (an agent's InfraError: a sandbox or a tool
+    service): warn above the first, stop above the second (1: never)."""
+    no_spread_groups: tuple[float, float] = (0.9, 1.0)
+    """Share of groups whose rollouts all got one reward: warn above, stop above."""
+    truncated: tuple[float, float] = (0.5, 1.0)
+    """Share of episodes that ran out of tokens: warn above, stop above."""
+
+
+@dataclass
 class CheckpointConfig:
     save_final: bool = True
     """Export the trained model as a Hugging Face folder `final/` in the run directory."""
@@ -415,6 +434,9 @@ class LoggingConfig:
     print_every: int = 10
     """When no live bar is shown (stdout not a terminal, e.g. a Slurm log, or --logging.no-
     progress), print a plain metrics line every this many steps (and at the first and last)."""
+    bundle_every: int = 0
+    """Write a replay bundle of every this many steps' update to bundles/ (its samples, config,
+    RNG, weights before and after: `instar replay` recomputes it on a CPU). 0: off."""
 
 
 @dataclass
@@ -453,6 +475,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -583,11 +606,17 @@ class Config:
         if t.num_ranks < 1 or t.micro_batch_tokens < 1 or t.steps < 0:
             raise ValueError("--train.num-ranks and --train.micro-batch-tokens must be >= 1, "
                              "--train.steps >= 0")
-        if c.every < 0 or c.keep < 1:
-            raise ValueError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
+        if c.every < 0 or c.keep < 1 or self.logging.bundle_every < 0:
+            raise ValueError("--checkpoint.every and --logging.bundle-every must be >= 0, "
+                             "--checkpoint.keep >= 1")
         if c.resume not in ("", "auto"):
             raise ValueError(f"--checkpoint.resume takes auto (the newest checkpoint of the run "
                              f'directory, if any) or "" (off), not {c.resume!r}')
+        for name, (warn, stop) in dataclasses.asdict(self.health).items():
+            low = name == "tool_calls"  # (fewer is worse)
+            if min(warn, stop) < 0 or (stop > warn if low else warn > stop):
+                raise ValueError(f"--health.{name.replace('_', '-')} takes two thresholds >= 0, "
+                                 f"the one that warns first (got {warn:g} {stop:g})")
         if self.data.prompts_per_step < 1:
             raise ValueError("--data.prompts-per-step must be >= 1")
         if a.dual_clip is not None and a.dual_clip <= 1:
@@ -657,6 +686,9 @@ class Config:
         if any(a.lr < 0 or a.max_staleness < -1 for a in self.lora.adapters):
             raise ValueError("lora.adapters: lr must be >= 0 (0: --train.lr) and max_staleness "
                              ">= -1 (-1: --rollout.max-staleness)")
+        if names and self.logging.bundle_every:
+            raise ValueError("--logging.bundle-every records the step of one policy: with "
+                             "lora.adapters it is not supported (0: off)")
         if names and self.algo.estimator == "gae":
             raise ValueError("--algo.estimator gae trains one critic, which several adapters "
                              "cannot share: with lora.adapters use a critic-free estimator")
@@ -748,6 +780,8 @@ def _typed(key: str, kind, value):
         return None if value is None else _typed(key, args[0], value)
     if origin is Literal and value in args:
         return value
+    if origin is tuple and isinstance(value, list | tuple) and len(value) == len(args):
+        return tuple(_typed(key, kind, v) for kind, v in zip(args, value))
     if origin is list and args and dataclasses.is_dataclass(args[0]) and isinstance(value, list):
         return [from_dict(args[0], v, f"{key}[{i}].") for i, v in enumerate(value)]
     if kind is float and not isinstance(value, bool):  # (YAML 1.1 reads 1e-6 as a string)

@@ -12,6 +12,13 @@ class EpisodeError(Exception):
         self.reason = reason
 
 
+class InfraError(Exception):
+    """Raise it from an agent (an Env's `reset` or `step`, a ChatAgent's `run`) when the episode
+    failed outside the model: a sandbox that would not start, a tool service that timed out.
+    The rollout leaves its group, so its reward counts neither as 0 nor as the model's; it is
+    counted as failed `infra` (rollout/failed/infra, rollout/infra_errors; --health.*)."""
+
+
 class Requeue(Exception):
     """The infrastructure stopped the episode (a weight update with partial rollout off, an
     engine that died): it starts again from the beginning and is not a failure."""

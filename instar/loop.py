@@ -50,10 +50,12 @@ import ray
 import torch
 from transformers import AutoConfig
 
+from instar import bundle
 from instar.agents.chat import as_messages, prompt_ids
 from instar.cluster import ray_for
 from instar.config import Config
 from instar.evaluate import evaluate, mean
+from instar.health import Health, rates
 from instar.inputs import Inputs, other_model_paths, run_inputs, task_order
 from instar.metrics import MISMATCH, TRUNCATED, RunLog, StepResult, dumps, spread, step_metrics
 from instar.placement import place
@@ -66,7 +68,7 @@ from instar.rollout.runner import Batch, Rollouts
 from instar.rollout.start import make_rollouts, sampling, start_engines
 from instar.rollout.stream import Stream
 from instar.rollout.versions import POLICY
-from instar.sample import Sample, write_jsonl
+from instar.sample import Sample, one_per_rollout, write_jsonl
 from instar.train import checkpoint
 from instar.train.advantages import informative, sample_advantages
 from instar.train.batch import Sequence
@@ -112,6 +114,8 @@ class Run:
     failed: Counter = field(default_factory=Counter)
     name: str = ""
     """Multi-LoRA: the adapter's name (its policy on the engines); "": the run's one policy."""
+    health: Health | None = None
+    """The --health.* checks of its steps (which rates are over their warning)."""
 
     @property
     def policy(self) -> str:
@@ -233,7 +237,8 @@ def setup(cfg: Config, inputs: list[Inputs], stack: ExitStack) -> list[Run]:
         probe = prompt_ids(i.tokenizer, as_messages(i.train_tasks[0].prompt), None)
         check = ProbeCheck(engines, probe, policy_trainer.probe(probe), r.sync_check_tol, policy)
         runs.append(Run(c, d, i, model, policy_trainer, others, engines, rollouts, log, failures,
-                        weights, probe, check, c.algo.kl_coef, name=name))
+                        weights, probe, check, c.algo.kl_coef, name=name,
+                        health=Health(c.health)))
     return runs
 
 
@@ -275,6 +280,8 @@ def begin(r: Run) -> int:
         r.summary["preflight_abs_logprob_diff"] = preflight(
             fresh, r.trainer, r.engines[0], c.rollout.temperature, c.rollout.preflight_tol,
             r.policy)
+        tools = rates(one_per_rollout(fresh), r.failed)  # does its tool-call format parse?
+        warn(r, 0, {k: v for k, v in tools.items() if k.startswith("rollout/tool_")})
     return 1
 
 
@@ -300,7 +307,9 @@ def train_step(r: Run, stream: Stream, step: int) -> StepResult:
             ray.get([e.sleep.remote() for e in r.engines])
         if dumps(step, r.cfg.logging.rollouts_every):
             scores = score(r.trainer, samples[:r.cfg.rollout.group_size], r.cfg.rollout.temperature)
+        replay = bundle.begin(r, step)  # --logging.bundle-every: a replay bundle of the step
         stats = learn(trained, r.trainer, r.others, r.cfg, step, r.kl_coef)
+        bundle.end(replay, r, trained, stats)
         if r.cfg.algo.kl_target and "kl" in stats:
             a = r.cfg.algo
             r.kl_coef = adaptive_kl(r.kl_coef, stats["kl"], a.kl_target, a.kl_horizon, len(trained))
@@ -439,7 +448,16 @@ def after_step(r: Run, result: StepResult, checkpoint_now: bool = False) -> dict
             c.checkpoint.keep)
     if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
         evaluate_now(r, step, f"eval-{step}")
+    warn(r, step, m)
     return m
+
+
+def warn(r: Run, step: int, m: dict) -> None:
+    """The --health.* checks of a step's metrics (step 0: the preflight's): warnings go to the
+    console and the summary; a rate past its stop threshold ends the run (HealthError)."""
+    for text in r.health.check(m, step):
+        console.log(f"[yellow]health{f' ({r.name})' if r.name else ''}: {text}")
+        r.summary.setdefault("health_warnings", []).append(text)
 
 
 def finish(r: Run) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 from statistics import fmean, pstdev
 
 from instar.evaluate import mean
+from instar.health import rates
 from instar.rollout.runner import Batch
 from instar.sample import Sample, one_per_rollout, texts
 
@@ -75,6 +76,7 @@ def step_metrics(r: StepResult) -> dict:
         "rollout/reward_std": pstdev(s.reward for s in episodes) if episodes else float("nan"),
         "rollout/no_spread_groups": mean(len(rewards) == 1 for rewards in groups.values()),
         "rollout/truncated": mean(s.finish_reason in TRUNCATED for s in episodes),
+        **rates(episodes, r.batch.failed),
         **{f"rollout/info/{k}": mean(s.info[k] for s in episodes if k in s.info)
            for k in sorted(info_keys)},
         "rollout/gen_tokens": sum(s.num_generated for s in sampled),

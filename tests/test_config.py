@@ -198,13 +198,14 @@ FLAGS = {  # every flag of each section, as --help shows it
             "critic-lr value-clip dynamic-filter max-resample epochs mini-batches entropy-coef "
             "whiten reward-scale reward-clip kl-target kl-horizon overlong-buffer "
             "overlong-penalty overlong-mask",
+    "health": "tool-parse-failures tool-calls infra-errors no-spread-groups truncated",
     "checkpoint": "save-final every keep resume",
     "logging": "root name progress tensorboard wandb-project rollouts-every plots print-every",
     "cluster": "device ray-address engine-resource trainer-resource runner-resource",
     "serve": "sessions",
 }
 COMMAND_SECTIONS = {  # the sections each command's --help shows
-    "rl": "model data agent rollout eval lora train algo checkpoint logging cluster",
+    "rl": "model data agent rollout eval lora train algo health checkpoint logging cluster",
     "sft": "model data eval lora train checkpoint logging cluster",
     "eval": "model data agent rollout eval lora logging cluster",
     "rollout": "model data agent rollout lora logging cluster",
@@ -297,7 +298,7 @@ def test_print_config_prints_the_resolved_config(tmp_path):
     printed = yaml.safe_load(out.stdout)
     expected = {s: dataclasses.asdict(getattr(Config().validate(), s)) for s in SECTIONS["rl"]}
     expected["train"]["steps"], expected["rollout"]["group_size"] = 7, 4
-    assert printed == expected
+    assert printed == yaml.safe_load(yaml.safe_dump(expected))  # (tuples print as lists)
 
 
 def test_own_model_gets_a_pretrained_models_defaults():
@@ -486,3 +487,12 @@ def test_bad_lora_adapters_are_refused(adapters, settings, message):
     cfg.lora.adapters = from_dict(Config, {"lora": {"adapters": adapters}}).lora.adapters
     with pytest.raises(ValueError, match=re.escape(message)):
         cfg.validate()
+
+
+def test_health_thresholds_round_trip_through_a_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(Config().to_yaml().replace("- 0.5\n", "- 0.25\n", 1))
+    assert load_yaml(str(recipe)).health.tool_parse_failures == (0.25, 1.0)
+    recipe.write_text("health: {truncated: [0.5]}")
+    with pytest.raises(ValueError, match=re.escape("health.truncated: expected tuple")):
+        load_yaml(str(recipe))

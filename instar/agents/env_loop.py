@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from instar.agents.chat import as_messages, continuation_ids, prompt_ids
 from instar.agents.contract import Action, Env, Task
 from instar.agents.images import image_urls, with_images
-from instar.errors import EpisodeError
+from instar.errors import EpisodeError, InfraError
 from instar.sample import Sample, fit_routing
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class AgentThread:
         try:
             return await asyncio.wrap_future(
                 asyncio.run_coroutine_threadsafe(_await(fn, *args), self.loop))
+        except InfraError as e:
+            raise EpisodeError("infra", f"{type(e).__name__}: {e}") from e
         except Exception as e:
             raise EpisodeError("agent_error", f"{type(e).__name__}: {e}") from e
 
@@ -142,7 +144,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
     tokens = prompt_ids(tokenizer, messages, env.tools)
     mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
     reward, turn_rewards, info, finish, routing = 0.0, [], {}, "max_turns", None
-    call_errors = 0
+    call_errors = calls = 0
     for _ in range(env.max_turns):
         budget = env.max_tokens - len(tokens)
         if budget <= 0:
@@ -162,6 +164,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         seen = (len(tokens), len(images))  # what the engine has seen (and expanded)
         routing = gen.routed_experts  # every position the engine has run (GPU MoE only)
         call_errors += gen.tool_call_errors
+        calls += len(gen.tool_calls)
         result = await call(_step, env, gen)
         reward += result.reward
         turn_rewards.append(result.reward)
@@ -190,7 +193,8 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         images = images[:seen[1]]
     return dict(tokens=tokens, loss_mask=mask, logprobs=logprobs, versions=versions,
                 reward=reward, finish_reason=finish,
-                info={**info, "turn_rewards": turn_rewards, "tool_call_errors": call_errors},
+                info={**info, "turn_rewards": turn_rewards, "tool_call_errors": call_errors,
+                      "parsed_tool_calls": calls},
                 routed_experts=fit_routing(routing, len(tokens)), images=images or None)
 
 

@@ -86,8 +86,9 @@ class Session:
         self.tools: list[dict] | None = None
         self.last_key, self.last_reply = "", None
         self.ended_with_eos, self.finish_reason, self.turns = True, "stop", 0
-        self.tool_call_errors = 0
-        """Tool calls the model began that did not parse, over the episode's turns."""
+        self.tool_call_errors = self.tool_calls = 0
+        """Tool calls the model began that did not parse, and those that did, over the
+        episode's turns."""
         self.responses: dict[str, list[dict]] = {}
         """Responses wire: each stored response's conversation (instructions left out), for
         a later previous_response_id."""
@@ -142,6 +143,7 @@ class Session:
         self.ended_with_eos = gen.token_ids[-1:] == [self.tokenizer.eos_token_id]
         self.finish_reason, self.turns = gen.finish_reason, self.turns + 1
         self.tool_call_errors += gen.tool_call_errors
+        self.tool_calls += len(gen.tool_calls)
         self.last_key, self.last_reply = turn.key, response
 
     def samples(self, reward: float, info: dict[str, Any], task_id: str = "") -> list[Sample]:
@@ -153,5 +155,6 @@ class Session:
                        sampling=self.sampling, images=s.images or None,
                        routed_experts=fit_routing(s.routing, len(s.tokens)),
                        info={**info, "turns": self.turns, "sealed_because": s.sealed_because,
-                             "tool_call_errors": self.tool_call_errors})
+                             "tool_call_errors": self.tool_call_errors,
+                             "parsed_tool_calls": self.tool_calls})
                 for i, s in enumerate(self.segments) if any(s.loss_mask)]
