@@ -71,8 +71,6 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from instar.errors import InfraError
-
 VIOLATIONS = ("wall_time", "cpu_time", "memory", "processes", "output", "disk", "network",
               "filesystem")
 _ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/work", "TMPDIR": "/work"}
@@ -198,6 +196,8 @@ def run_code(code: str, *, stdin: str = "", files: dict[str, str] | None = None,
             violation = violation or "memory"  # the OOM killer acted, maybe on pid 1
     out, err, ctl, hints = (bytes(data[fd][:output_bytes]).decode(errors="replace") for fd in fds)
     if "setup-failed" in ctl or (violation is None and "exit:" not in ctl):
+        from instar.errors import InfraError  # (here: this file also runs in the sandbox)
+
         raise InfraError(f"the sandbox could not start:\n{err}")
     exits = [int(word[5:]) for word in ctl.split() if word.startswith("exit:")]
     reported = [word for word in ctl.split() + hints.split() if word in VIOLATIONS]
