@@ -37,6 +37,9 @@ def fits(value, hint) -> bool:
         return any(fits(value, a) for a in args)
     if origin is list:
         return isinstance(value, list) and all(fits(v, args[0]) for v in value)
+    if origin is tuple:
+        return isinstance(value, tuple) and len(value) == len(args) and \
+            all(fits(v, a) for v, a in zip(value, args))
     if origin is dict:
         return isinstance(value, dict) and all(fits(k, args[0]) and fits(v, args[1])
                                                for k, v in value.items())
