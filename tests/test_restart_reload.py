@@ -106,6 +106,7 @@ def trainer(monkeypatch):
     monkeypatch.setattr(ray, "get", lambda refs, **kw: refs)
     t = Trainer.__new__(Trainer)  # its ranks scripted, no Ray
     t.workers, t.cfg, t.lock, t.linked, t.sent = [Rank(), Rank()], Config(), threading.Lock(), {}, 0
+    t.active = ""  # (no LoRA adapter chosen)
     return t
 
 
