@@ -151,7 +151,7 @@ def run(cfg: Config, inputs: list[Inputs] | None = None) -> dict:
                 preempted = stopping()
                 ms = [after_step(r, result, checkpoint_now=preempted)
                       for (r, _), result in zip(due, results)]
-                m, rewards = ms[0], " ".join(f"{m['rollout/reward']:.3f}" for m in ms)
+                m, rewards = ms[0], " ".join(f"{x['rollout/reward']:.3f}" for x in ms)
                 bar.advance(1, f"reward {rewards} |Δlogp| "
                             f"{m.get('invariants/abs_logprob_diff', 0):.0e} "
                             f"{m['perf/gen_tokens_per_s']:.0f} tok/s | wait {m['timing/wait_s']:.1f}s"
