@@ -303,7 +303,7 @@ def replay(argv: list[str]) -> None:
     world = args.ranks or bundle.meta["ranks"]
     print(f"instar replay: step {bundle.meta['step']} of {bundle.folder.parent.parent} "
           f"(trained on {bundle.meta['ranks']} ranks, replayed on {world})", flush=True)
-    lines, ok = compare(bundle, rerun(bundle, world), args.tolerance)
+    lines, ok = compare(bundle, rerun(bundle, world), args.tolerance, world)
     print("\n".join(lines))
     if not ok:
         sys.exit(f"instar replay: the replay differs from the run beyond --tolerance "

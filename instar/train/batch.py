@@ -69,3 +69,19 @@ def shard(seqs: list[Sequence], world: int, budget: int) -> list[list[list[Seque
     per_rank = [pack(seqs[r::world], budget) for r in range(world)]
     n = max(len(b) for b in per_rank)
     return [b + [[] for _ in range(n - len(b))] for b in per_rank]
+
+
+def split(seqs: list[Sequence], world: int, budget: int) -> tuple[list[int], list]:
+    """Sorted by length (less padding, even loads), then `shard`ed: (the order, the shards)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
+    return order, shard([seqs[i] for i in order], world, budget)
+
+
+def unsplit(order: list[int], per_rank: list[list]) -> list:
+    """Per-sequence outputs of `split`'s shards (rank r's in its order) back in `seqs`' order."""
+    world, ranked, out = len(per_rank), [None] * len(order), [None] * len(order)
+    for r, outputs in enumerate(per_rank):
+        ranked[r::world] = outputs
+    for j, i in enumerate(order):
+        out[i] = ranked[j]
+    return out

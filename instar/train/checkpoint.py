@@ -40,7 +40,7 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state:
+    if "cuda" in state and torch.cuda.is_available():  # (a GPU run's, replayed on a CPU)
         torch.cuda.set_rng_state_all(state["cuda"])
 
 

@@ -25,7 +25,7 @@ from ray.util.queue import Queue
 from instar.cluster import init_process_group, rendezvous
 from instar.config import AlgoConfig, Config
 from instar.train import checkpoint, lora
-from instar.train.batch import Sequence, shard
+from instar.train.batch import Sequence, split, unsplit
 from instar.train.losses import combine
 from instar.train.rank import Rank
 
@@ -43,6 +43,29 @@ class TrainWorker(Rank):
         super().__init__(model_path, **options)
 
 
+def rank_options(cfg: Config, head: str = "lm", frozen: bool = False,
+                 lr: float | None = None) -> dict:
+    """The keyword arguments of each `Rank` of a trainer (see `Trainer`)."""
+    t = cfg.train
+    return dict(device=cfg.cluster.device, dtype=cfg.model.dtype, threads=t.threads_per_rank,
+                lr=lr or t.lr, weight_decay=t.weight_decay,
+                freeze=(".*",) if frozen else tuple(t.freeze), head=head,
+                activation_checkpointing=t.activation_checkpointing, cpu_offload=t.cpu_offload,
+                master_dtype=cfg.model.dtype if frozen else t.master_dtype,
+                routing_replay=t.routing_replay and head == "lm" and not frozen,
+                seed=cfg.data.seed, lora=cfg.lora if head == "lm" and not frozen else None,
+                adapter_names=tuple(a.name for a in cfg.lora.adapters) or ("default",))
+
+
+def merged(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """A step's loss and stats from each rank's shares (the grad norm: the same on every rank)."""
+    out: dict[str, float] = {}
+    for r in per_rank:
+        combine(out, r)
+    out["grad_norm"] = per_rank[0]["grad_norm"]
+    return out
+
+
 class Trainer:
     """The policy, or a critic (`head="value"`), or a frozen reference or teacher
     (`frozen=True`): `--train.num-ranks` ranks of one model."""
@@ -51,17 +74,8 @@ class Trainer:
                  head: str = "lm", frozen: bool = False, lr: float | None = None):
         t, model_path = cfg.train, os.path.abspath(model_path)  # the ranks' cwd is not ours
         master = rendezvous()  # rank 0 posts its address there, on whichever node it runs
-        device = cfg.cluster.device
-        default = dict(num_cpus=0, num_gpus=1 if device == "cuda" else 0)
-        options = dict(device=device, dtype=cfg.model.dtype, threads=t.threads_per_rank,
-                       lr=lr or t.lr, weight_decay=t.weight_decay,
-                       freeze=(".*",) if frozen else tuple(t.freeze), head=head,
-                       activation_checkpointing=t.activation_checkpointing,
-                       cpu_offload=t.cpu_offload,
-                       master_dtype=cfg.model.dtype if frozen else t.master_dtype,
-                       routing_replay=t.routing_replay and head == "lm" and not frozen,
-                       seed=cfg.data.seed, lora=cfg.lora if head == "lm" and not frozen else None,
-                       adapter_names=tuple(a.name for a in cfg.lora.adapters) or ("default",))
+        default = dict(num_cpus=0, num_gpus=1 if cfg.cluster.device == "cuda" else 0)
+        options = rank_options(cfg, head, frozen, lr)
         self.lora = bool(options["lora"] and cfg.lora.rank)
         """Only a LoRA adapter trains, and only it goes to the engines (`adapter`)."""
         actor = ray.remote(TrainWorker)
@@ -95,10 +109,7 @@ class Trainer:
                     for r, w in enumerate(self.workers)]
 
     def _shards(self, seqs: list[Sequence]) -> tuple[list[int], list]:
-        """Sorted by length (less padding, even loads), then split over ranks and micro-batches."""
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
-        return order, shard([seqs[i] for i in order], len(self.workers),
-                            self.cfg.train.micro_batch_tokens)
+        return split(seqs, len(self.workers), self.cfg.train.micro_batch_tokens)
 
     def step(self, seqs: list[Sequence], loss: str, lr: float,
              algo: AlgoConfig | None = None) -> dict[str, float]:
@@ -111,22 +122,12 @@ class Trainer:
         per_rank = ray.get(self._submit("train_step", loss, algo or c.algo, num_tokens, num_seqs,
                                         c.rollout.temperature, lr, c.train.grad_clip,
                                         parts=self._shards(seqs)[1]))
-        out: dict[str, float] = {}
-        for r in per_rank:
-            combine(out, r)
-        out["grad_norm"] = per_rank[0]["grad_norm"]  # the same on every rank
-        return out
+        return merged(per_rank)
 
     def score(self, seqs: list[Sequence], temperature: float) -> list[list[float]]:
         """Per-token log-probs (a critic: values) of `seqs`, in order, under the current weights."""
         order, shards = self._shards(seqs)
-        world, ranked = len(self.workers), [None] * len(seqs)
-        for r, out in enumerate(ray.get(self._submit("score", temperature, parts=shards))):
-            ranked[r::world] = out
-        scores = [None] * len(seqs)
-        for j, i in enumerate(order):
-            scores[i] = ranked[j]
-        return scores
+        return unsplit(order, ray.get(self._submit("score", temperature, parts=shards)))
 
     def probe(self, ids: list[int]) -> list[float]:
         """Log-probs of one fixed sequence at temperature 1 (the sync fingerprint)."""
