@@ -200,7 +200,8 @@ FLAGS = {  # every flag of each section, as --help shows it
             "overlong-penalty overlong-mask",
     "health": "tool-parse-failures tool-calls infra-errors no-spread-groups truncated",
     "checkpoint": "save-final every keep resume",
-    "logging": "root name progress tensorboard wandb-project rollouts-every plots print-every",
+    "logging": "root name progress tensorboard wandb-project rollouts-every plots print-every "
+               "bundle-every",
     "cluster": "device ray-address engine-resource trainer-resource runner-resource",
     "serve": "sessions",
 }
@@ -404,7 +405,7 @@ def test_instar_help_lists_the_commands_and_version_prints(capsys):
     main(["--help"])  # exits 0: returns
     out = capsys.readouterr().out
     assert all(f"  {name} " in out for name in ("rl", "sft", "eval", "rollout", "serve",
-                                                "make-model", "check-model", "view"))
+                                                "make-model", "check-model", "view", "replay"))
     main(["--version"])
     assert re.fullmatch(r"instar \d+\.\d+\.\d+\n", capsys.readouterr().out)
     for argv in ([], ["trian"]):
