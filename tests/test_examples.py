@@ -32,13 +32,14 @@ def check(name: str, samples: list, failed: dict) -> None:
 
 
 def test_instar_rollout_runs_an_example_as_a_user_does(tool_model, ray_session, tmp_path):
-    """The tasks as a Parquet file with columns of its own (`--data.prompt-key`, ...)."""
+    """The tasks as a Parquet file with columns of its own (`--data.prompt-key`, ...); the
+    agent drives the model through the OpenAI Responses API (`client.responses.create`)."""
     import datasets
 
     parquet = tmp_path / "calculator.parquet"
     datasets.Dataset.from_list([{"id": t.id, "question": t.prompt, "answer": t.label}
                                 for t in load_tasks(str(CALCULATOR))]).to_parquet(parquet)
-    run = instar(tmp_path, "rollout", "--agent", str(EXAMPLES / "calculator_anthropic.py"),
+    run = instar(tmp_path, "rollout", "--agent", str(EXAMPLES / "calculator_responses.py"),
                  "--data.train", str(parquet), "--data.prompt-key", "question",
                  "--data.label-key", "answer", "--model.path", str(tool_model),
                  "--rollout.group-size", "2", "--rollout.max-tokens", str(SAMPLING["max_tokens"]),
@@ -46,11 +47,13 @@ def test_instar_rollout_runs_an_example_as_a_user_does(tool_model, ray_session, 
                  "--rollout.temperature", str(SAMPLING["temperature"]))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["episodes"] == 16, summary
-    check("calculator_anthropic", read_jsonl(run / "rollouts.jsonl"), summary["failed"])
+    samples = read_jsonl(run / "rollouts.jsonl")
+    check("calculator_responses", samples, summary["failed"])
+    assert all(lp is not None for s in samples for lp, m in zip(s.logprobs, s.loss_mask) if m)
 
 
 @pytest.mark.parametrize("name", ["calculator_env", "tool_use_openai", "compacting_agent",
-                                  "calculator_responses"])
+                                  "calculator_anthropic"])
 def test_each_example_runs_on_the_shared_engine(name, tool_engine, tokenizer):
     rollouts = Rollouts(load_agent(str(EXAMPLES / f"{name}.py")), {}, [tool_engine], tokenizer,
                         model_name="tool_model", max_model_len=512, limits={})
