@@ -140,8 +140,9 @@ def appended(tok, messages: list[Message], tools: list | None, env: bool
         more = continuation_ids(tok, before, after, tools, True)
         if more is None:
             old, new = render(tok, before, tools, False), render(tok, after, tools, True)
-            return f"at turn {turn + 1} the history renders differently: " + (
-                parting(old, new) if tok.eos_token in old else f"no {tok.eos_token!r}"), None
+            if new.startswith(old) or tok.eos_token not in old:
+                return f"at turn {turn + 1} the reply's turn ends with no {tok.eos_token!r}", None
+            return f"at turn {turn + 1} the history renders differently: {parting(old, new)}", None
         ids, history = ids + more, after
     fresh = ids if env else prompt_ids(tok, history, tools)
     return None, None if ids == fresh else len(os.path.commonprefix([ids, fresh]))

@@ -295,3 +295,28 @@ def test_the_predictions_are_what_instar_does(template, tmp_path, tiny_model):
         rewrites = "template_rewrites_history" in seals
         assert rewrites == (stable["gateway", scenario][0] is not None), (template, scenario)
     assert (stable["gateway", "reasoning"][0] is None) == (template == "hermes")
+
+
+def test_real_families_templates(tmp_path, tiny_model):
+    """Templates written in the style of real families' (tests/test_chat_render.py STYLES):
+    Llama 3.1's (calls read as `tool_call.function`: the gateway's requests with tool calls
+    used to fail), Qwen2.5's (`if message.content`: literal rendering used to refuse) and
+    Phi-3.5's (one more eos_token closing a conversation: every Env continuation used to
+    fail) pass, and instar's Env loop and gateway do as predicted; GLM's turns hold no
+    eos_token, which is named and blocks (its continuations used to get wrong ids)."""
+    from test_chat_render import STYLES
+
+    for name, (template, special, eos) in STYLES.items():
+        folder = checkpoint(tmp_path / name, tiny_model, template, special=special, eos=eos)
+        found = findings(folder)
+        if name == "glm":
+            assert found["end of turn"][0] == BLOCK
+            level, text = found["Env continuation"]
+            assert level == BLOCK and "the reply's turn ends with no '<|user|>'" in text, text
+            continue
+        if name == "phi3.5":  # (its template writes no tool calls)
+            assert found.pop("tool calls")[0] == WARN
+        assert {level for level, _ in found.values()} == {OK}, (name, found)
+        _, tok = load(str(folder), "", "")
+        for tools in (False, True):
+            assert played(tok, conversation(tools, False)) == (False, [""]), (name, tools)

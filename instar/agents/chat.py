@@ -6,8 +6,9 @@ When some text holds an added token's string, each text is wrapped in unguessabl
 before rendering, and the rendered string is tokenised piece by piece: the template's own
 text as usual, the marked text with every added token's string broken in two.
 
-A continued turn (`continuation_ids`) renders the whole conversation twice: as it was and as
-it is now. `continuation` gives the same ids from the text kept from the turn before, rendering
+A continued turn (`continuation_ids`) renders the conversation as the last reply's prompt, as
+it was with the reply and as it is now, and tokenises the text after the reply's end-of-turn
+token. `continuation` gives the same ids from the text kept from the turn before, rendering
 only the new messages, when the template renders each message on its own (`_local`, read off
 the template's syntax tree); otherwise it renders as `continuation_ids` does.
 """
@@ -35,7 +36,9 @@ _MARKS = re.compile(f"({_OPEN}|{_CLOSE})")
 
 
 def _marked(messages: list[Message]) -> list[Message]:
-    mark = lambda text: f"{_OPEN}{text}{_CLOSE}"  # noqa: E731
+    """Each message text wrapped in the marks; empty text is left empty (it holds no token's
+    string, and marked it would pass a template's `if message.content`)."""
+    mark = lambda text: f"{_OPEN}{text}{_CLOSE}" if text else text  # noqa: E731
     messages = [{**m, "reasoning_content": mark(m["reasoning_content"])}
                 if isinstance(m.get("reasoning_content"), str) else m for m in messages]
     return [{**m, "content": mark(m["content"]) if isinstance(m.get("content"), str) else
@@ -104,22 +107,50 @@ def continuation_ids(tokenizer, before: list[Message], after: list[Message],
     `before` ends with the assistant turn just generated; `after` extends it with new
     messages. Only the text the template renders after that turn's end-of-turn token is
     tokenised (with the token itself when the generation stopped without it). None when
-    `after` does not extend `before` as rendered (the history was rewritten).
+    `after` does not extend `before` as rendered (the history was rewritten), or when the
+    template writes no eos_token in that turn (see `_continued`).
     """
     literal = _literal(tokenizer, after)  # (`after` holds `before`)
-    return _continued(tokenizer, render(tokenizer, before, tools, False, literal),
+    return _continued(tokenizer, _prompt(tokenizer, before, tools, literal),
+                      render(tokenizer, before, tools, False, literal),
                       render(tokenizer, after, tools, True, literal), ended_with_eos)
 
 
-def _continued(tokenizer, old: str, new: str, ended_with_eos: bool) -> list[int] | None:
-    """The ids of `new` after the end-of-turn token that ends `old` (see `continuation_ids`)."""
+def _prompt(tokenizer, before: list[Message], tools: list[dict] | None,
+            literal: bool = False) -> str:
+    """The text the last turn of `before` answered: the messages before it, with the
+    generation prompt ("" when there are none)."""
+    return render(tokenizer, before[:-1], tools, True, literal) if len(before) > 1 else ""
+
+
+def _continued(tokenizer, prompt: str, old: str, new: str, ended_with_eos: bool
+               ) -> list[int] | None:
+    """The ids of `new` after the eos_token that ends the last turn of `old`.
+
+    `prompt`, `old`, `new`: the renders of the conversation before the turn (with the
+    generation prompt), with the turn, and with the new messages too (with it). The turn ends
+    at the last eos_token of `old` (outside marked text) that `new` renders too, where `new`
+    and `old` have not parted yet: Phi-3.5-style templates close a conversation without
+    generation prompt with one more eos_token, which `new` does not have. None when that
+    eos_token is in `prompt` (the turn wrote none, as in GLM-style templates whose next
+    message's header is the stop token) or there is none (the history was rewritten).
+    """
     eos = tokenizer.eos_token
-    if eos not in old:
-        return None
-    cut = old.rindex(eos) + (len(eos) if ended_with_eos else 0)
-    if not new.startswith(old[:cut]):
-        return None
-    return encode(tokenizer, new[cut:])
+    for end in _ends(old, eos) if eos else ():
+        stop = end + len(eos)
+        if prompt.startswith(old[:stop]):  # (an earlier message's)
+            return None
+        if new.startswith(old[:stop]):
+            return encode(tokenizer, new[stop if ended_with_eos else end:])
+    return None
+
+
+def _ends(text: str, token: str):
+    """Where `token` begins in `text`, outside marked text, the last first."""
+    i = len(text)
+    while (i := text.rfind(token, 0, i)) >= 0:
+        if text.rfind(_OPEN, 0, i) <= text.rfind(_CLOSE, 0, i):
+            yield i
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +163,10 @@ class Rendered:
     """Those messages as the template renders them, without the generation prompt."""
     first: str
     """The first message alone, rendered the same way."""
+    asked: int
+    """How many messages of the conversation `prompt` renders."""
+    prompt: str
+    """Those messages with the generation prompt: what the next reply answered (`_prompt`)."""
 
 
 def continuation(tokenizer, before: list[Message], after: list[Message], tools: list[dict] | None,
@@ -139,12 +174,13 @@ def continuation(tokenizer, before: list[Message], after: list[Message], tools: 
                                                                        Rendered | None]:
     """`continuation_ids`, the same ids or None, rendering as little as the template allows.
 
-    `kept`: what the previous call returned for this conversation (its `before` is a start
+    `kept`: what the previous call returned for this conversation (its `after` is a start
     of this `before`), or None. Returns the ids and what to keep for the next turn. With a
     template that renders each message on its own (`_local`), whole-conversation text is made
     from kept text and renders of the first message with only the new messages; the whole
-    conversation is rendered at most once, where nothing was kept. Otherwise, or with literal
-    text (`_literal`), it is `continuation_ids` and nothing is kept.
+    conversation is rendered only where nothing was kept (with and without the reply, for
+    its prompt). Otherwise, or with literal text (`_literal`), it is `continuation_ids` and
+    nothing is kept.
     """
     done = kept.messages if kept else 0  # (messages before `done` were found plain before)
     if not _local(tokenizer.get_chat_template(None, tools or None)) or _literal(
@@ -158,7 +194,10 @@ def continuation(tokenizer, before: list[Message], after: list[Message], tools: 
     new = _more(tokenizer, old, first, before[:1] + after[len(before):], tools, True)
     if new is None:
         new = render(tokenizer, after, tools, True)
-    return _continued(tokenizer, old, new, ended_with_eos), Rendered(len(before), old, first)
+    prompt = kept.prompt if kept and kept.asked == len(before) - 1 else _prompt(
+        tokenizer, before, tools)
+    return (_continued(tokenizer, prompt, old, new, ended_with_eos),
+            Rendered(len(before), old, first, len(after), new))
 
 
 def _more(tokenizer, text: str, first: str, short: list[Message], tools: list[dict] | None,
@@ -228,7 +267,10 @@ def canonical(message: Message) -> Message:
     """A message reduced to what the chat template renders (ids and names dropped), so a
     client's echo of an earlier turn compares equal to what instar recorded. Content is a
     string, or a list of text and image parts when it has images; an assistant's reasoning
-    (`reasoning_content`, or vLLM's `reasoning`) is `reasoning_content`, which templates read."""
+    (`reasoning_content`, or vLLM's `reasoning`) is `reasoning_content`, which templates read.
+    Each tool call is in both shapes templates read: `{name, arguments}` and OpenAI's
+    `{type: "function", function: {name, arguments}}` (Llama 3.1's `tool_call.function.name`),
+    the arguments parsed from JSON where they are a string."""
     content = message.get("content")
     if isinstance(content, list) and any(p.get("type") == "image" for p in content):
         content = [p if p["type"] == "image" else {"type": "text", "text": p.get("text", "")}
@@ -248,7 +290,9 @@ def canonical(message: Message) -> Message:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 pass
-        calls.append({"name": f.get("name"), "arguments": args})
+        name = f.get("name")
+        calls.append({"name": name, "arguments": args, "type": "function",
+                      "function": {"name": name, "arguments": args}})
     if calls:
         out["tool_calls"] = calls
     return out
