@@ -1,6 +1,6 @@
 """`instar replay BUNDLE`: one step of `instar rl` recomputed from its replay bundle
-(instar/bundle.py) on this machine's CPU, with no Ray, engines or vLLM, and compared with what
-the run recorded.
+(instar/bundle.py) on this machine's CPU, starting no Ray, engine or vLLM, and compared with
+what the run recorded.
 
     instar replay runs/RUN/bundles/step-00000010                     # the run's rank count
     instar replay runs/RUN/bundles/step-00000010 --ranks 1 --tolerance 1e-4
@@ -16,7 +16,9 @@ the run recorded.
    after/'s: the largest |difference| of any trained weight.
 
 On the run's rank count the shards, micro-batches, reductions and threads are the run's, so
-the replay is bitwise the run's step; on another the sums run in another order (--tolerance).
+the replay is bitwise the run's step; on another the sums run in another order (--tolerance),
+and a critic is not compared (its head's dropout masks are drawn per rank). A GPU run's bundle
+replays on the CPU to a tolerance too (other kernels).
 """
 
 import socket
@@ -107,7 +109,8 @@ def saved(rank: Rank, path) -> dict[str, torch.Tensor]:
 def recompute(b: Bundle) -> dict:
     """Steps 2-4 on this process's rank (the group is up): the replayed stats, and how far the
     replayed weights are from after/ and from where the step started."""
-    cfg = replace(b.cfg, cluster=replace(b.cfg.cluster, device="cpu"))
+    cfg = replace(b.cfg, cluster=replace(b.cfg.cluster, device="cpu"),
+                  train=replace(b.cfg.train, cpu_offload=False))  # (a GPU run's setting)
     a, model, paths = cfg.algo, b.meta["model"], other_model_paths(cfg)
     before, after = b.folder / "before", b.folder / "after"
 
