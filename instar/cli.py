@@ -301,8 +301,9 @@ def replay(argv: list[str]) -> None:
     from instar.replay import compare, rerun
 
     world = args.ranks or bundle.meta["ranks"]
+    ranks = {n: f"{n} rank{'s' * (n > 1)}" for n in (world, bundle.meta["ranks"])}
     print(f"instar replay: step {bundle.meta['step']} of {bundle.folder.parent.parent} "
-          f"(trained on {bundle.meta['ranks']} ranks, replayed on {world})", flush=True)
+          f"(trained on {ranks[bundle.meta['ranks']]}, replayed on {ranks[world]})", flush=True)
     lines, ok = compare(bundle, rerun(bundle, world), args.tolerance, world)
     print("\n".join(lines))
     if not ok:
