@@ -304,7 +304,7 @@ def replay(argv: list[str]) -> None:
     ranks = {n: f"{n} rank{'s' * (n > 1)}" for n in (world, bundle.meta["ranks"])}
     print(f"instar replay: step {bundle.meta['step']} of {bundle.folder.parent.parent} "
           f"(trained on {ranks[bundle.meta['ranks']]}, replayed on {ranks[world]})", flush=True)
-    lines, ok = compare(bundle, rerun(bundle, world), args.tolerance, world)
+    lines, ok = compare(bundle, rerun(bundle, world), args.tolerance)
     print("\n".join(lines))
     if not ok:
         sys.exit(f"instar replay: the replay differs from the run beyond --tolerance "

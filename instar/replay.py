@@ -16,9 +16,8 @@ what the run recorded.
    after/'s: the largest |difference| of any trained weight.
 
 On the run's rank count the shards, micro-batches, reductions and threads are the run's, so
-the replay is bitwise the run's step; on another the sums run in another order (--tolerance),
-and a critic is not compared (its head's dropout masks are drawn per rank). A GPU run's bundle
-replays on the CPU to a tolerance too (other kernels).
+the replay is bitwise the run's step; on another the sums run in another order (--tolerance).
+A GPU run's bundle replays on the CPU to a tolerance too (other kernels).
 """
 
 import socket
@@ -49,8 +48,8 @@ COMPARED = ("loss", "grad_norm", "critic_loss")
 class Local:
     """A trainer's `step` and `score` over this process's rank of a group whose processes all
     make the same calls (no Ray): each rank takes its shard, as a Trainer's ranks do. Several
-    models share the process, so each keeps its own RNG (a critic's head has dropout), as in a
-    process of its own: the one the process has when it is made, then its own."""
+    models share the process, so each keeps its own RNG (for dropout, such as --lora.dropout), as
+    in a process of its own: the one the process has when it is made, then its own."""
 
     def __init__(self, rank: Rank, cfg: Config):
         self.rank, self.cfg, self.rng = rank, cfg, rng_state()
@@ -172,24 +171,20 @@ def rerun(b: Bundle, ranks: int = 0) -> dict:
     return results.get()
 
 
-def compare(b: Bundle, result: dict, tolerance: float, world: int) -> tuple[list[str], bool]:
+def compare(b: Bundle, result: dict, tolerance: float) -> tuple[list[str], bool]:
     """The report's lines (recorded vs replayed) and whether every difference is within
-    `tolerance`. A critic is compared on the run's rank count only: its head has dropout
-    (transformers' default for a token-classification head), whose masks each rank draws."""
-    critic = world == b.meta["ranks"]
+    `tolerance`."""
     lines, ok = [f"{'':<16}{'recorded':>24}{'replayed':>24}{'|Δ|':>12}"], True
     for k in COMPARED:
-        if k in b.meta["outcome"] and (critic or k != "critic_loss"):
+        if k in b.meta["outcome"]:
             x, y = b.meta["outcome"][k], result["stats"].get(k, float("nan"))
             ok = ok and abs(x - y) <= tolerance
             lines.append(f"{k:<16}{x:>24.17g}{y:>24.17g}{abs(x - y):>12.3g}")
     ok = ok and result["weights"] <= tolerance
     lines.append(f"{'weights':<16}max |Δ| {result['weights']:.3g} from after/ (the update moved "
                  f"them up to {result['moved']:.3g})")
-    if "critic_weights" in result and critic:
+    if "critic_weights" in result:
         ok = ok and result["critic_weights"] <= tolerance
         lines.append(f"{'critic weights':<16}max |Δ| {result['critic_weights']:.3g} from "
                      "after/critic/")
-    elif "critic_weights" in result:
-        lines.append("critic          not compared: its dropout masks depend on the rank count")
     return lines, ok

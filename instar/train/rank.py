@@ -123,8 +123,9 @@ class Rank:
         self.image_processor = AutoImageProcessor.from_pretrained(model_path) if vision else None
         self.image_token = getattr(config, "image_token_id", None)
         self.dtype = getattr(torch, dtype)  # compute, and what the engines load
-        model = auto.from_pretrained(model_path, dtype=getattr(torch, master_dtype),
-                                     **({} if head == "lm" else {"num_labels": 1}))
+        if head != "lm":  # a critic: one value per token, its head without dropout
+            config.num_labels, config.classifier_dropout = 1, 0.0
+        model = auto.from_pretrained(model_path, config=config, dtype=getattr(torch, master_dtype))
         model.to(self.device)
         for name, p in model.named_parameters():
             if any(re.search(pattern, name) for pattern in freeze):
