@@ -27,14 +27,15 @@ def questions() -> list[tuple[str, str, str, str]]:
                   for a in PLACES for b in PLACES if a != b]
 
 
-def _row(q: tuple[str, str, str, str], rng: random.Random, n: int) -> dict:
+def _row(q: tuple[str, str, str, str], rng: random.Random, n: int, low: int = 10,
+         high: int = 999) -> dict:
     kind, field, a, b = q
     needed = [f"{field} of {a}"] + ([f"{field} of {b}"] if b else [])
     keys = list(needed)
     while len(keys) < len(needed) + 2:  # two distractors
         key = f"{rng.choice(FIELDS)} of {rng.choice(PLACES)}"
         keys += [key] if key not in keys else []
-    facts = {k: rng.randint(10, 999) for k in keys}
+    facts = {k: rng.randint(low, high) for k in keys}
     x, y = facts[needed[0]], facts[needed[-1]]
     prompt, label = {
         "one": (f"What is the {field} of {a}?", x),
@@ -65,9 +66,16 @@ def demo(row: dict) -> dict:
     return {"messages": messages, "tools": [CALCULATOR, LOOKUP]}
 
 
-def tool_use_data(n_train: int = 3000, n_eval: int = 64, n_demos: int = 2000) -> tuple[str, str, str]:
-    """Paths of (train, eval, demos) JSONL, written once into the cache."""
-    folder = cache_root() / "data" / f"tool-use-v2-{n_train}-{n_eval}-{n_demos}"
+def tool_use_data(n_train: int = 3000, n_eval: int = 64, n_demos: int = 2000,
+                  digits: int = 3) -> tuple[str, str, str]:
+    """Paths of (train, eval, demos) JSONL, written once into the cache. Fact values have 2 to
+    `digits` digits (10-999 by default); `digits=1` draws them from 1-9 (the measured run's
+    setting: docs/scenarios.md)."""
+    if digits not in (1, 2, 3):
+        raise ValueError(f"digits must be 1, 2 or 3, not {digits}")
+    low, high = (1, 9) if digits == 1 else (10, 10 ** digits - 1)
+    suffix = "" if digits == 3 else f"-d{digits}"
+    folder = cache_root() / "data" / f"tool-use-v2-{n_train}-{n_eval}-{n_demos}{suffix}"
     paths = [folder / name for name in ("train.jsonl", "eval.jsonl", "demos.jsonl")]
     if not paths[-1].exists():
         rng, held_out, by_kind = random.Random(0), [], []
@@ -78,8 +86,9 @@ def tool_use_data(n_train: int = 3000, n_eval: int = 64, n_demos: int = 2000) ->
             n = quota.get(kind, n_eval - len(held_out))
             held_out += qs[:n]
             by_kind.append(qs[n:])
-        eval_rows = [_row(q, rng, 0) for q in held_out]
-        train_rows = [_row(rng.choice(by_kind[n % 3]), rng, n) for n in range(n_train)]
+        eval_rows = [_row(q, rng, 0, low, high) for q in held_out]
+        train_rows = [_row(rng.choice(by_kind[n % 3]), rng, n, low, high)
+                      for n in range(n_train)]
         demos = [demo(r) for r in train_rows[:n_demos]]
         folder.mkdir(parents=True, exist_ok=True)
         for path, rows in zip(paths, (train_rows, eval_rows, demos)):
@@ -90,4 +99,8 @@ def tool_use_data(n_train: int = 3000, n_eval: int = 64, n_demos: int = 2000) ->
 
 
 if __name__ == "__main__":
-    print(*tool_use_data(), sep="\n")
+    import sys
+    args = sys.argv[1:]
+    if args not in ([], ["--digits", "1"], ["--digits", "2"], ["--digits", "3"]):
+        sys.exit("usage: python -m instar.tasks.tool_use_data [--digits 1|2|3]")
+    print(*tool_use_data(digits=int(args[1]) if args else 3), sep="\n")
