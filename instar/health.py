@@ -44,10 +44,13 @@ class HealthError(RuntimeError):
 
 def rates(episodes: list[Sample], failed: Counter) -> dict[str, float]:
     """The tool-call and infrastructure rates of a step's episodes (one Sample each) and its
-    failed rollouts (by reason); a rate with nothing to count is left out."""
-    calls = sum(s.info.get("parsed_tool_calls", 0) for s in episodes)
-    errors = sum(s.info.get("tool_call_errors", 0) for s in episodes)
-    out = {"rollout/tool_calls": calls / len(episodes)} if episodes else {}
+    failed rollouts (by reason); a rate with nothing to count is left out. The tool-call rates
+    count the episodes that offered the model tools (their info has `parsed_tool_calls`): a
+    model that begins a tool call in a task without tools is not a parser problem."""
+    tooled = [s for s in episodes if "parsed_tool_calls" in s.info]
+    calls = sum(s.info["parsed_tool_calls"] for s in tooled)
+    errors = sum(s.info.get("tool_call_errors", 0) for s in tooled)
+    out = {"rollout/tool_calls": calls / len(tooled)} if tooled else {}
     if calls + errors:
         out["rollout/tool_parse_failures"] = errors / (calls + errors)
     if episodes or failed:

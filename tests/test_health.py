@@ -32,9 +32,11 @@ def test_tool_call_and_infrastructure_rates():
     assert rates(eps, Counter(infra=1, agent_error=1)) == pytest.approx({
         "rollout/tool_calls": 4 / 3, "rollout/tool_parse_failures": 3 / 7,
         "rollout/infra_errors": 1 / 5})
-    no_tools = rates([episode(0, parsed_tool_calls=0, tool_call_errors=0)], Counter())
-    assert "rollout/tool_parse_failures" not in no_tools  # (nothing to parse: no rate)
-    assert no_tools["rollout/infra_errors"] == 0.0
+    none_begun = rates([episode(0, parsed_tool_calls=0, tool_call_errors=0)], Counter())
+    assert "rollout/tool_parse_failures" not in none_begun  # (nothing to parse: no rate)
+    assert none_begun["rollout/infra_errors"] == 0.0
+    no_tools = rates([episode(0, tool_call_errors=1)], Counter())  # (a task without tools)
+    assert set(no_tools) == {"rollout/infra_errors"}
 
 
 def test_a_rate_warns_once_when_it_crosses_and_stops_the_run_past_its_stop_threshold():

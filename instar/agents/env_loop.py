@@ -194,7 +194,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
     return dict(tokens=tokens, loss_mask=mask, logprobs=logprobs, versions=versions,
                 reward=reward, finish_reason=finish,
                 info={**info, "turn_rewards": turn_rewards, "tool_call_errors": call_errors,
-                      "parsed_tool_calls": calls},
+                      **({"parsed_tool_calls": calls} if env.tools else {})},  # (offered tools)
                 routed_experts=fit_routing(routing, len(tokens)), images=images or None)
 
 

@@ -156,5 +156,5 @@ class Session:
                        routed_experts=fit_routing(s.routing, len(s.tokens)),
                        info={**info, "turns": self.turns, "sealed_because": s.sealed_because,
                              "tool_call_errors": self.tool_call_errors,
-                             "parsed_tool_calls": self.tool_calls})
+                             **({"parsed_tool_calls": self.tool_calls} if self.tools else {})})
                 for i, s in enumerate(self.segments) if any(s.loss_mask)]
