@@ -27,6 +27,7 @@ from pathlib import Path
 
 from instar.config import Config, load_yaml
 from instar.sample import Sample, read_jsonl, write_jsonl
+from instar.train.checkpoint import latest
 
 SCHEMA = 1
 """The bundle layout's version; `read` refuses others."""
@@ -84,11 +85,16 @@ def read(path: str) -> Bundle:
     if not (folder / "bundle.json").is_file():
         raise ValueError(f"{path}: not a replay bundle (no bundle.json; bundles are "
                          "runs/RUN/bundles/step-N, written with --logging.bundle-every)")
-    meta = json.loads((folder / "bundle.json").read_text())
-    if meta.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: bundle schema {meta.get('schema')!r}; this instar reads "
-                         f"schema {SCHEMA}")
+    try:
+        meta = json.loads((folder / "bundle.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: bundle.json is not JSON ({e})") from e
+    schema = meta.get("schema") if isinstance(meta, dict) else None
+    if schema != SCHEMA:
+        raise ValueError(f"{path}: bundle schema {schema!r}; this instar reads schema {SCHEMA}")
     if not Path(meta["model"]).is_dir():
         raise ValueError(f"{path}: the run's starting checkpoint {meta['model']} is gone")
+    if latest(folder / "after") is None:
+        raise ValueError(f"{path}: after/, the weights the step gave, is missing")
     return Bundle(folder, meta, load_yaml(str(folder / "config.yaml")),
                   read_jsonl(folder / "samples.jsonl"))

@@ -121,6 +121,11 @@ class Run:
     def policy(self) -> str:
         return self.name or POLICY
 
+    @property
+    def root(self) -> Path:
+        """The run directory (an adapter's `dir` is in it)."""
+        return self.dir.parent.parent if self.name else self.dir
+
     def tagged(self, m: dict) -> dict:
         """Metrics as logged: an adapter's under lora/<name>/."""
         return {k if k == "step" or not self.name else f"lora/{self.name}/{k}": v
@@ -164,9 +169,8 @@ def run(cfg: Config, inputs: list[Inputs] | None = None) -> dict:
         summaries = {r.name: finish(r) for r in runs}
         if not runs[0].name:
             return {**summaries[""], "run_dir": str(runs[0].dir)}
-        root = runs[0].dir.parent.parent
-        (root / "summary.json").write_text(json.dumps({"adapters": summaries}, indent=2))
-        return {"adapters": summaries, "run_dir": str(root)}
+        (runs[0].root / "summary.json").write_text(json.dumps({"adapters": summaries}, indent=2))
+        return {"adapters": summaries, "run_dir": str(runs[0].root)}
 
 
 def open_stream(r: Run) -> Stream:
@@ -477,6 +481,6 @@ def finish(r: Run) -> dict:
     if c.checkpoint.save_final:
         r.trainer.export(r.model, r.dir / "final")
     if c.logging.plots:  # (an adapter's: from its metrics in the run's metrics.jsonl)
-        plot_run(r.dir.parent.parent, f"lora/{r.name}/", r.dir) if r.name else plot_run(r.dir)
+        plot_run(r.root, f"lora/{r.name}/" if r.name else "", r.dir)
     (r.dir / "summary.json").write_text(json.dumps(s, indent=2))
     return s

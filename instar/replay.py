@@ -20,7 +20,6 @@ the replay is bitwise the run's step; on another the sums run in another order (
 A GPU run's bundle replays on the CPU to a tolerance too (other kernels).
 """
 
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,13 +31,13 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from transformers.utils import logging as hf_logging
 
-from instar.bundle import Bundle, read
+from instar.bundle import Bundle
 from instar.config import Config
 from instar.inputs import other_model_paths
 from instar.loop import learn
 from instar.train.batch import Sequence, split, unsplit
 from instar.train.checkpoint import latest, rng_state, set_rng_state
-from instar.train.rank import Rank
+from instar.train.rank import Rank, free_port
 from instar.train.trainer import merged, rank_options
 
 COMPARED = ("loss", "grad_norm", "critic_loss")
@@ -131,21 +130,16 @@ def recompute(b: Bundle) -> dict:
     policy = local(model, before)
     start = weights(policy.rank)
     stats = learn(b.samples, policy, others, cfg, b.meta["step"], b.meta["kl_coef"])
-    out = {"stats": stats, "moved": farthest(weights(policy.rank), start),
-           "weights": farthest(weights(policy.rank), saved(policy.rank, latest(after)))}
+    now = weights(policy.rank)
+    out = {"stats": stats, "moved": farthest(now, start),
+           "weights": farthest(now, saved(policy.rank, latest(after)))}
     if "critic" in others:
         critic = others["critic"].rank
         out["critic_weights"] = farthest(weights(critic), saved(critic, latest(after / "critic")))
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def on_rank(rank: int, world: int, port: int, path: str, results=None) -> dict | None:
+def on_rank(rank: int, world: int, port: int, b: Bundle, results=None) -> dict | None:
     """One process of the replay: join the group, recompute; rank 0's result (also to
     `results`, a queue, when given)."""
     hf_logging.set_verbosity_error()  # (a critic's "newly initialized" head: it is in before/)
@@ -153,7 +147,7 @@ def on_rank(rank: int, world: int, port: int, path: str, results=None) -> dict |
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        out = recompute(read(path))
+        out = recompute(b)
     finally:
         dist.destroy_process_group()
     if rank == 0 and results is not None:
@@ -165,9 +159,9 @@ def rerun(b: Bundle, ranks: int = 0) -> dict:
     """Recompute the bundle's step on `ranks` processes (0: the run's count); rank 0's result."""
     world = ranks or b.meta["ranks"]
     if world == 1:
-        return on_rank(0, 1, free_port(), str(b.folder))
+        return on_rank(0, 1, free_port(), b)
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(on_rank, (world, free_port(), str(b.folder), results), nprocs=world)
+    mp.spawn(on_rank, (world, free_port(), b, results), nprocs=world)
     return results.get()
 
 

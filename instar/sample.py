@@ -128,7 +128,7 @@ def write_jsonl(path: str | Path, samples: list[Sample], tokenizer=None,
     with open(path, "a") as f:
         f.writelines(json.dumps({**(texts(s, tokenizer) if tokenizer else {}), **n, **asdict(s)},
                                 separators=(",", ":")) + "\n"
-                     for s, n in zip(samples, notes or [{}] * len(samples)))
+                     for s, n in zip(samples, notes or [{}] * len(samples), strict=True))
 
 
 def read_jsonl(path: str | Path) -> list[Sample]:

@@ -49,7 +49,13 @@ def samples_files(path: Path) -> list[Path]:
 def read_config(run: Path) -> dict:
     """The run's config.yaml as written (no defaults filled in, nothing validated); {} if none."""
     path = run / "config.yaml"
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    try:
+        config = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not YAML ({type(e).__name__})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a run's config (a mapping of sections)")
+    return config
 
 
 def agent_of(config: dict, samples_file: Path) -> str:
@@ -106,7 +112,7 @@ def read_rows(path: Path) -> list[tuple[dict, Sample]]:
                 d = json.loads(line)
                 rows.append(({k: d[k] for k in NOTES if k in d},
                              Sample(**{k: v for k, v in d.items() if k not in NOTES})))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, AttributeError) as e:
                 raise ValueError(f"{path}:{n}: not a sample ({e})") from e
     return rows
 
@@ -147,7 +153,7 @@ def failures(path: Path, run: int, agent: str) -> list[dict]:
                 out.append({"run": run, "agent": agent, "step": e.get("step"),
                             "id": e["rollout_id"], "failed": e["reason"],
                             "attempt": e.get("attempt", 0), "traceback": e.get("traceback", "")})
-            except (ValueError, KeyError, TypeError) as err:
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
                 raise ValueError(f"{path}:{n}: not a failure record ({err!r})") from err
     return out
 

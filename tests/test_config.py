@@ -111,6 +111,7 @@ def changed(**settings) -> Config:
     (dict(lora__rank=8, lora__path="adapter/"), "--lora.path serves a trained adapter"),
     (dict(lora__rank=8, cluster__device="cuda", rollout__placement="disaggregated",
           rollout__transport="nccl"), "leave out --rollout.transport nccl"),
+    (dict(logging__bundle_every=-1), "--logging.bundle-every must be >= 0"),
 ])
 def test_validate_names_the_flag(settings, flag):
     with pytest.raises(ValueError, match=re.escape(flag)):
@@ -482,6 +483,8 @@ def test_lora_adapters_come_from_the_config_file_and_shape_each_lane(tmp_path):
     ([{"name": "a.b"}], {"lora__rank": 8}, "a name of its own"),
     ([{"name": "a", "lr": -1.0}], {"lora__rank": 8}, "lr must be >= 0"),
     ([{"name": "a"}], {"lora__rank": 8, "algo__estimator": "gae"}, "cannot share"),
+    ([{"name": "a"}], {"lora__rank": 8, "logging__bundle_every": 2},
+     "--logging.bundle-every records the step of one policy"),
 ])
 def test_bad_lora_adapters_are_refused(adapters, settings, message):
     cfg = changed(**settings)

@@ -74,10 +74,21 @@ def test_an_altered_bundle_does_not_replay(run, tmp_path, capsys):
 
 def test_a_bad_bundle_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("instar.cli.DEBUG", False)
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "bundle.json").write_text('{"schema": 0}')
+    for name, meta in [("old", '{"schema": 0}'), ("garbled", "{schema"), ("listed", "[1]"),
+                       ("unmoored", '{"schema": 1, "model": "/no/such/model"}'),
+                       ("cut", json.dumps({"schema": 1, "model": str(tmp_path)}))]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bundle.json").write_text(meta)
     for path, error in [(tmp_path / "none", "not a replay bundle (no bundle.json"),
-                        (tmp_path / "old", "bundle schema 0; this instar reads schema 1")]:
+                        (tmp_path / "old", "bundle schema 0; this instar reads schema 1"),
+                        (tmp_path / "garbled", "bundle.json is not JSON"),
+                        (tmp_path / "listed", "bundle schema None"),
+                        (tmp_path / "unmoored", "the run's starting checkpoint /no/such/model "
+                                                "is gone"),
+                        (tmp_path / "cut", "after/, the weights the step gave, is missing")]:
         code, _, err = replay(capsys, str(path))
         assert code == 2 and err.count("\n") == 1, err
         assert err.startswith(f"instar replay: error: {path}: {error}"), err
+    for flags in (["--ranks", "-1"], ["--tolerance", "-1"]):
+        code, _, err = replay(capsys, str(tmp_path / "none"), *flags)
+        assert code == 2 and "--ranks and --tolerance must be >= 0" in err, err

@@ -154,11 +154,19 @@ def test_instar_view_writes_the_page_and_refuses_bad_input_in_one_line(runs, tmp
     assert (tmp_path / "one.html").is_file()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"rollout_id": "r"}\n')
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text("[1, 2]\n")
     empty = tmp_path / "empty"
     empty.mkdir()
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / "rollouts.jsonl").write_text((runs[0] / "rollouts.jsonl").read_text())
+    (garbled / "config.yaml").write_text("model: [unclosed")
     for args, error in [([str(tmp_path / "nope")], "no such run directory or samples file"),
                         ([str(empty)], "not a run directory: it has none of rollouts.jsonl"),
                         ([str(bad)], f"{bad}:1: not a sample"),
+                        ([str(listed)], f"{listed}:1: not a sample"),
+                        ([str(garbled)], f"{garbled / 'config.yaml'}: not YAML"),
                         ([str(runs[0]), "--tokenizer", str(empty)], "cannot load the tokenizer")]:
         with pytest.raises(SystemExit) as exit_:
             main(["view", *args])

@@ -87,16 +87,21 @@ def engine_source(model: torch.nn.Module, dtype: torch.dtype):
     return Cast(model)
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (for a group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def join(device: str) -> None:
     """Join the process group `torchrun` describes in the environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT); a plain process becomes a group of one."""
     backend = "nccl" if device == "cuda" else "gloo"
     if "MASTER_PORT" in os.environ:
         return dist.init_process_group(backend)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
 
 
 class Rank:
@@ -160,13 +165,14 @@ class Rank:
                          for name, ns in self.owned.items()}
             self.active = ""
             self.use(adapter_names[0])
-            return
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay) if trainable else None
-        # Engines start from the same checkpoint, so only what training changes is synced.
-        changing = {sync_unit(n) for n, p in model.named_parameters() if p.requires_grad}
-        self.sync_names = [n for n in model.state_dict() if sync_unit(n) in changing
-                           and not (self.tied and n == "lm_head.weight")]
+        else:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            self.opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay) \
+                if trainable else None
+            # Engines start from the same checkpoint, so only what training changes is synced.
+            changing = {sync_unit(n) for n, p in model.named_parameters() if p.requires_grad}
+            self.sync_names = [n for n in model.state_dict() if sync_unit(n) in changing
+                               and not (self.tied and n == "lm_head.weight")]
 
     def use(self, adapter: str) -> None:
         """Multi-LoRA: the calls that follow train, score, send and checkpoint `adapter` (the
