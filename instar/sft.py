@@ -22,7 +22,7 @@ from instar.inputs import model_path
 from instar.progress import Bar
 from instar.train.batch import Sequence
 from instar.train.schedule import lr_at
-from instar.train.sft import sequence, supervised
+from instar.train.sft import image_processor, sequence, supervised
 from instar.train.sft_data import builtin_sft_data, load_sft_jsonl
 from instar.train.trainer import Trainer
 
@@ -42,7 +42,9 @@ def sft_inputs(cfg: Config) -> tuple[Path, object, list[dict], list[Sequence]]:
     held_out = load_sft_jsonl(cfg.data.eval) if cfg.data.eval else []
     if not cfg.data.train:  # built-in data: hold some rows out
         rows, held_out = rows[cfg.eval.size:], rows[:cfg.eval.size]
-    return base, tokenizer, rows, [sequence(tokenizer, row) for row in held_out[:cfg.eval.size]]
+    images = image_processor(base)
+    return base, tokenizer, rows, [sequence(tokenizer, row, images)
+                                   for row in held_out[:cfg.eval.size]]
 
 
 def run_sft(cfg: Config, inputs: tuple | None = None) -> dict:
@@ -67,7 +69,8 @@ def train(cfg: Config, run_dir: Path, base: Path, tokenizer, rows: list[dict],
             t0 = time.time()
             for step, stats in supervised(trainer, tokenizer, rows, cfg.train.steps,
                                           cfg.data.prompts_per_step,
-                                          lambda k: lr_at(k, cfg.train), cfg.data.seed):
+                                          lambda k: lr_at(k, cfg.train), cfg.data.seed,
+                                          image_processor(base)):
                 m = {"step": step, "train/loss": stats["loss"],
                      "train/grad_norm": stats["grad_norm"], "train/lr": lr_at(step, cfg.train),
                      "timing/step_s": time.time() - t0}

@@ -148,3 +148,28 @@ def test_builtin_data(tok, tmp_path, monkeypatch):
         assert len(learned) == len(answers)
         assert all(s.endswith("<|im_end|>") for s in learned)
         assert learned[-1] == answers[-1]["content"] + "<|im_end|>"
+
+
+def test_image_conversations_expand_each_placeholder_as_the_engine_does():
+    """`instar sft` on a vision-language model: a shapes demonstration (two images, two turns)
+    becomes the tokens a rollout of it has (4 placeholder tokens per 56x56 image, as the
+    engine expands them: tests/test_vision.py), the images ride along in order, and only the
+    answers are learned. A text-only model refuses images."""
+    from instar.tasks.shapes_data import demo
+    from instar.tasks.tiny_model import builtin_model
+    from instar.train.sft import image_processor, sequence
+
+    base = builtin_model(kind="vl")
+    tok = AutoTokenizer.from_pretrained(base)
+    row = demo({"prompt": "What colour is the shape?",
+                "shapes": [["circle", "red", 20, 20, 9], ["square", "blue", 30, 28, 12]]})
+    s = sequence(tok, row, image_processor(base))
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    runs = [len(list(g)) for t, g in groupby(s.tokens) if t == pad]
+    assert runs == [4, 4] and s.images == [p["image"] for m in row["messages"][::2]
+                                           for p in m["content"][:1]]
+    assert tok.decode([t for t, m in zip(s.tokens, s.mask) if m]) == "red<|im_end|>blue<|im_end|>"
+    assert not any(m for t, m in zip(s.tokens, s.mask) if t == pad)
+    assert image_processor(builtin_model()) is None
+    with pytest.raises(ValueError, match="not a vision-language"):
+        sequence(tok, row, None)

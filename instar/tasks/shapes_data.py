@@ -1,16 +1,19 @@
 """Data for the shapes task (instar/tasks/shapes.py): coloured shapes drawn locally.
 
-    python -m instar.tasks.shapes_data     # prints the paths: train, eval
+    python -m instar.tasks.shapes_data     # prints the paths: train, eval, demos
 
 A row: `prompt` ("What colour is the shape?"), `label` (the first shape's colour), `shapes`
 (two [shape, colour, x, y, radius] entries: the first image, and the one the second turn
 shows), `id`. The images are drawn from these numbers (`draw`), so the JSONL stays small and
 every run sees the same pixels. Held out: three (shape, colour) pairs never drawn in train.
+Demos: the train rows as the conversations a right answer makes (both images, as PNG data
+URLs, in the turns where the Env shows them), for `instar sft` on a vision-language model.
 """
 
 import json
 import random
 
+from instar.agents.images import data_url
 from instar.tasks.tiny_model import cache_root
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
@@ -55,13 +58,24 @@ def _rows(seed: int, n: int, held_out: bool) -> list[dict]:
     return rows
 
 
-def shapes_data() -> tuple[str, str]:
-    """Paths of (train, eval) JSONL, built into the cache once."""
+def demo(row: dict) -> dict:
+    """The conversation of `row` answered right, as the Env (instar/tasks/shapes.py) shows it."""
+    messages = []
+    for (shape, colour, *where), text in zip(row["shapes"], [row["prompt"], "And this one?"]):
+        image = {"type": "image", "image": data_url(draw(shape, colour, *where))}
+        messages += [{"role": "user", "content": [image, {"type": "text", "text": text}]},
+                     {"role": "assistant", "content": colour}]
+    return {"messages": messages}
+
+
+def shapes_data() -> tuple[str, str, str]:
+    """Paths of (train, eval, demos) JSONL, built into the cache once."""
     folder = cache_root() / "data" / "shapes-v1"
-    paths = folder / "train.jsonl", folder / "eval.jsonl"
-    if not paths[1].exists():
+    paths = folder / "train.jsonl", folder / "eval.jsonl", folder / "demos.jsonl"
+    if not paths[2].exists():
         folder.mkdir(parents=True, exist_ok=True)
-        for path, rows in zip(paths, (_rows(0, 2000, False), _rows(1, 32, True))):
+        train = _rows(0, 2000, False)
+        for path, rows in zip(paths, (train, _rows(1, 32, True), [demo(r) for r in train])):
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
             tmp.replace(path)

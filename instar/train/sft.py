@@ -14,8 +14,11 @@ import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from transformers import AutoConfig, AutoImageProcessor
+
 from instar.agents.chat import as_messages
 from instar.agents.contract import Task
+from instar.agents.images import IMAGE_TOKEN, decode, image_urls
 from instar.config import Config
 from instar.progress import Bar
 from instar.tasks.tiny_model import cache_root
@@ -24,19 +27,37 @@ from instar.train.sft_data import assistant_mask
 from instar.train.trainer import Trainer
 
 
-def sequence(tokenizer, row: dict) -> Sequence:
+def image_processor(base: Path):
+    """A vision-language model's image processor; None for a text-only model."""
+    if not hasattr(AutoConfig.from_pretrained(base), "vision_config"):
+        return None
+    return AutoImageProcessor.from_pretrained(base)
+
+
+def sequence(tokenizer, row: dict, images=None) -> Sequence:
+    """A conversation as a training sequence. Its image parts (data URLs) need `images`, the
+    model's image processor: each placeholder becomes as many tokens as the model reads the
+    image as, as the engine expands it, and the images ride along for the trainer."""
     ids, mask = assistant_mask(tokenizer, row["messages"], row.get("tools"))
-    return Sequence(ids, mask, [0.0] * len(ids))
+    if not (urls := image_urls(row["messages"])):
+        return Sequence(ids, mask, [0.0] * len(ids))
+    if images is None:
+        raise ValueError("a conversation has images, but the model is not a vision-language one")
+    grids = images(images=[decode(u) for u in urls], return_tensors="pt")["image_grid_thw"]
+    sizes = iter(int(g.prod()) // images.merge_size ** 2 for g in grids)
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    out = [(t, m) for t, m in zip(ids, mask) for _ in range(next(sizes) if t == pad else 1)]
+    return Sequence([t for t, _ in out], [m for _, m in out], [0.0] * len(out), images=urls)
 
 
 def supervised(trainer, tokenizer, rows: list[dict], steps: int, batch: int,
-               lr: Callable[[int], float], seed: int) -> Iterator[tuple[int, dict]]:
+               lr: Callable[[int], float], seed: int, images=None) -> Iterator[tuple[int, dict]]:
     """`steps` optimizer steps of `trainer` (anything with `step(seqs, "sft", lr)`), each on
-    `batch` rows drawn at random; yields (step, the step's stats)."""
+    `batch` rows drawn at random; yields (step, the step's stats). `images`: see `sequence`."""
     rng = random.Random(seed)
     for step in range(1, steps + 1):
         picked = rng.sample(rows, min(batch, len(rows)))
-        yield step, trainer.step([sequence(tokenizer, r) for r in picked], "sft", lr(step))
+        yield step, trainer.step([sequence(tokenizer, r, images) for r in picked], "sft", lr(step))
 
 
 def label_rows(tasks: list[Task]) -> list[dict]:
