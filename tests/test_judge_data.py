@@ -1,0 +1,72 @@
+"""The judge's data for the reverse task (instar/tasks/judge_data.py) and the judged Env's
+reward (instar/tasks/reverse_judged.py), tokenizer only: each verdict is the exact score on the
+0-10 scale, the scores spread over the scale, the judge's held-out questions are the task's
+own held-out words (3-6 letters, none in its training conversations), each
+letter-by-letter line is the same four tokens, and the Env's reward is the judge's verdict
+while the exact score only goes to `info`."""
+
+import asyncio
+import json
+from collections import Counter
+
+from instar import parse_score
+from instar.agents.contract import Action, Task
+from instar.tasks.judge_data import judge_data, verdict
+from instar.tasks.reverse import score
+from instar.tasks.reverse_judged import JudgedReverse, rubric
+
+
+def rows(path: str) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def question(row: dict) -> str:
+    return row["messages"][0]["content"].split("\n")[1]
+
+
+def test_verdicts_scores_and_split(tokenizer):
+    train, held_out, demos = (rows(p) for p in judge_data())
+    assert len(train) == 20000 and len(held_out) == 512 and len(demos) == 20000
+    for row in train[:2000] + held_out:
+        text = row["messages"][0]["content"]
+        reference = text.split("\nReference: ")[1].split("\n")[0]
+        answer = text.split("\nAnswer: ")[1].split("\n")[0]
+        assert text == rubric(question(row).removeprefix("Question: "), reference, answer)
+        assert row["messages"][1]["content"] == verdict(answer, reference)
+        assert row["score"] == score(answer, reference)
+    assert verdict("abcd", "abdd") == "Score: 8" and verdict("abcd", "abcd") == "Score: 10"
+    spread = Counter(row["messages"][1]["content"] for row in train)
+    assert {f"Score: {n}" for n in range(11)} <= set(spread)
+    assert max(spread.values()) < 0.4 * len(train)  # no verdict right in most conversations
+    seen = {question(r) for r in train}
+    assert not any(question(r) in seen for r in held_out)
+    words = [q.removeprefix("Question: Reverse: ") for q in map(question, train)]
+    assert 0.25 < sum(len(w) <= 2 for w in words) / len(words) < 0.35  # the short words
+    assert all(3 <= len(question(r).removeprefix("Question: Reverse: ")) <= 6 for r in held_out)
+    lines = ["".join(p) for p in zip("abcdefgh-", "hgfedcba-")] + ["dd", "aa", "a-", "-h"]
+    for line in lines:  # "x|y\n" is four tokens, whatever the letters: one layout a line
+        assert len(tokenizer.tokenize(f"{line[0]}|{line[1]}\n")) == 4
+
+
+class Judge:
+    """A stand-in judge that always gives the same verdict."""
+
+    def __init__(self, reply: str):
+        self.reply, self.asked = reply, []
+
+    async def ask(self, messages, **kwargs):
+        self.asked.append(messages)
+        return self.reply
+
+
+def test_judged_reward_is_the_verdict():
+    env = JudgedReverse()
+    env.judge = Judge("Score: 3")
+    task = Task(id="abcd", prompt="Reverse: abcd", label="dcba")
+    asyncio.run(env.reset(task))
+    result = asyncio.run(env.step(Action(text=" dcbb\n", token_ids=[])))
+    assert result.reward == parse_score("Score: 3") == 0.3
+    assert result.info["exact"] == 0.75 and result.info["verdict"] == "Score: 3"
+    [messages] = env.judge.asked
+    assert messages[0]["content"] == rubric("Reverse: abcd", "dcba", "dcbb")
+    assert messages[0]["content"].endswith("letter by letter:\nd|d\nc|c\nb|b\na|b")
