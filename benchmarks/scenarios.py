@@ -3,11 +3,11 @@ before and after its run. Writes benchmarks/results/scenarios.json (under `scena
 entry per scenario: `eval_before`, `eval_after`, `wall_s`, `command`, and what the run
 measured on the way) and docs/images/scenario_<name>.png (its training and eval curves).
 
-    .venv/bin/python benchmarks/scenarios.py [RUNS_DIR] [SCENARIO ...]   # tool_use: ~15 min
+    .venv/bin/python benchmarks/scenarios.py [RUNS_DIR] [SCENARIO ...]
 
-Scenarios not yet run here keep `null` (code_exec, vision, judge, distill: issue 26). A stage
-whose output exists in RUNS_DIR is read, not run again (its wall time is then the logged
-one). Run it with nothing else on the machine: the wall times are the point.
+A scenario is a short list of `instar` commands (its stages), run one after another. A stage
+whose output exists in RUNS_DIR is read, not run again (its wall time is then the one it
+logged). Run it with nothing else on the machine: the wall times are the point.
 """
 
 import json
@@ -26,19 +26,50 @@ INSTAR = str(ROOT / ".venv" / "bin" / "instar")
 RESULTS = ROOT / "benchmarks" / "results" / "scenarios.json"
 
 
-def stage(runs: Path, name: str, args: list[str], done: str) -> float:
-    """Run `instar ARGS` as run `name` under `runs` unless its `done` file exists; its wall
-    seconds (kept in the run's wall_s.txt, so a stage read back reports its own)."""
-    if not (runs / name / done).exists():
-        start = time.time()
-        subprocess.run(["nice", "-n", "10", INSTAR, *args, "--logging.root", str(runs),
-                        "--logging.name", name], check=True, stdout=subprocess.DEVNULL)
-        (runs / name / "wall_s.txt").write_text(f"{time.time() - start:.1f}\n")
-    return float((runs / name / "wall_s.txt").read_text())
+def run_stages(runs: Path, stages: dict[str, tuple[list[str], str]]) -> dict[str, float]:
+    """Run each stage `name: (instar args, the file it leaves when done)` as run `name`
+    under `runs`, unless that file exists; the stages' wall seconds (kept in each run's
+    wall_s.txt, so a stage read back reports its own; load.txt keeps the machine's load
+    averages over the last 1, 5 and 15 minutes as it ended)."""
+    wall = {}
+    for name, (args, done) in stages.items():
+        if not (runs / name / done).exists():
+            start = time.time()
+            subprocess.run([INSTAR, *args, "--logging.root", str(runs), "--logging.name", name,
+                            "--logging.no-progress"], check=True, stdout=subprocess.DEVNULL)
+            (runs / name / "wall_s.txt").write_text(f"{time.time() - start:.1f}\n")
+            (runs / name / "load.txt").write_text(Path("/proc/loadavg").read_text())
+        wall[name] = float((runs / name / "wall_s.txt").read_text())
+    return wall
+
+
+def loads(runs: Path, stages: dict) -> dict[str, str | None]:
+    """Each stage's load averages (1, 5, 15 min) as it ended; None if not recorded."""
+    files = {name: runs / name / "load.txt" for name in stages}
+    return {n: " ".join(f.read_text().split()[:3]) if f.exists() else None
+            for n, f in files.items()}
+
+
+def command(name: str, runs: Path, stages: dict[str, tuple[list[str], str]]) -> str:
+    """The scenario's one command, and the instar commands it runs (RUNS: the folder of
+    all scenarios' runs; CACHE: instar's cache, where the built-in models and data are written)."""
+    from instar.tasks.tiny_model import cache_root
+
+    text = " ; ".join("instar " + " ".join(args) for args, _ in stages.values())
+    return (f"python benchmarks/scenarios.py RUNS {name}  # runs: "
+            + text.replace(str(runs.parent), "RUNS").replace(str(cache_root()), "CACHE"))
 
 
 def metrics(runs: Path, name: str) -> list[dict]:
     return [json.loads(x) for x in (runs / name / "metrics.jsonl").open()]
+
+
+def series(rows: list[dict], key: str) -> list[float]:
+    return [round(m[key], 4) for m in rows if key in m]
+
+
+def read(runs: Path, name: str, file: str) -> dict:
+    return json.loads((runs / name / file).read_text())
 
 
 def tool_use(runs: Path) -> dict:
@@ -60,44 +91,105 @@ def tool_use(runs: Path) -> dict:
                      "--data.train", train, *evals, "--train.warmup-sft-steps", "0",
                      "--train.steps", "20", "--train.lr", "1e-4", "--data.prompts-per-step", "8",
                      "--rollout.group-size", "4"], "summary.json")}
-    wall = {name: stage(runs, name, args, done) for name, (args, done) in stages.items()}
-    base = json.loads((runs / "tool-base-eval" / "eval.json").read_text())
-    sft, rl = metrics(runs, "tool-sft"), metrics(runs, "tool-rl")
-    summary = json.loads((runs / "tool-rl" / "summary.json").read_text())
-    result = {
-        "eval_before": base["eval/reward"], "eval_after_sft": summary["eval_reward_before"],
-        "eval_after": summary["eval_reward_after"], "wall_s": round(sum(wall.values())),
-        "stage_wall_s": {k: round(v) for k, v in wall.items()},
-        "command": "python benchmarks/scenarios.py RUNS tool_use  # = python -m "
-                   "instar.tasks.tool_use_data --digits 1, then: "
-                   + " ; ".join("instar " + " ".join(a) for a, _ in stages.values()),
-        "sft_loss": [round(m["train/loss"], 4) for m in sft if "train/loss" in m],
-        "rl_reward": [round(m["rollout/reward"], 4) for m in rl if "rollout/reward" in m]}
-    plot("tool_use", result, "Tool use (tiny model, one-digit facts): SFT, then GRPO")
-    return result
+    wall = run_stages(runs, stages)
+    rl = read(runs, "tool-rl", "summary.json")
+    r = {"eval_before": read(runs, "tool-base-eval", "eval.json")["eval/reward"],
+         "eval_after_sft": rl["eval_reward_before"], "eval_after": rl["eval_reward_after"],
+         "wall_s": round(sum(wall.values())), "stage_wall_s": {k: round(v) for k, v in wall.items()},
+         "command": command("tool_use", runs, stages), "stage_load": loads(runs, stages),
+         "sft_loss": series(metrics(runs, "tool-sft"), "train/loss"),
+         "rl_reward": series(metrics(runs, "tool-rl"), "rollout/reward")}
+    plot("tool_use", "Tool use (tiny model, one-digit facts): SFT, then GRPO", [
+        ("SFT", "SFT step", "assistant-token loss", {"loss": r["sft_loss"]}, True),
+        ("GRPO", "RL step", "reward", {"train reward": r["rl_reward"]}, False)], r)
+    return r
 
 
-def plot(name: str, r: dict, title: str) -> None:
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
-    a.plot(range(1, len(r["sft_loss"]) + 1), r["sft_loss"])
-    a.set(xlabel="SFT step", ylabel="assistant-token loss", yscale="log", title="SFT")
-    b.plot(range(1, len(r["rl_reward"]) + 1), r["rl_reward"], label="train reward")
-    n = len(r["rl_reward"])
-    b.plot([0, n], [r["eval_after_sft"], r["eval_after"]], "o--",
-           label=f"held-out: base {r['eval_before']:.2f}, after SFT {r['eval_after_sft']:.2f},"
-                 f" after RL {r['eval_after']:.2f}")
-    b.set(xlabel="RL step", ylabel="reward", ylim=(0, 1.05), title="GRPO")
-    b.legend(fontsize=7, loc="lower right")
-    for ax in (a, b):
+def vision(runs: Path) -> dict:
+    """Vision-language (the colour of a shape, an image per turn), tiny Qwen2-VL: the base
+    model's held-out reward, SFT on image conversations, then GRPO."""
+    from instar.tasks.shapes_data import shapes_data
+
+    train, held_out, demos = shapes_data()
+    agent = ["--agent", "instar/tasks/shapes.py"]
+    evals = ["--data.eval", held_out, "--eval.size", "32", "--eval.samples", "4",
+             "--rollout.max-tokens", "8"]
+    stages = {
+        "vision-base-eval": (["eval", *agent, "--model.kind", "vl", *evals], "eval.json"),
+        "vision-sft": (["sft", "--model.kind", "vl", "--data.train", demos, "--train.steps", "400",
+                        "--train.lr", "3e-3", "--data.prompts-per-step", "16", "--eval.size", "0"],
+                       "final"),
+        "vision-rl": (["rl", *agent, "--model.path", str(runs / "vision-sft" / "final"),
+                       "--data.train", train, *evals, "--train.warmup-sft-steps", "0",
+                       "--train.steps", "30", "--train.lr", "1e-4", "--data.prompts-per-step", "8",
+                       "--rollout.group-size", "8"], "summary.json")}
+    wall = run_stages(runs, stages)
+    rl = read(runs, "vision-rl", "summary.json")
+    r = {"eval_before": read(runs, "vision-base-eval", "eval.json")["eval/reward"],
+         "eval_after_sft": rl["eval_reward_before"], "eval_after": rl["eval_reward_after"],
+         "wall_s": round(sum(wall.values())), "stage_wall_s": {k: round(v) for k, v in wall.items()},
+         "command": command("vision", runs, stages), "stage_load": loads(runs, stages),
+         "sft_loss": series(metrics(runs, "vision-sft"), "train/loss"),
+         "rl_reward": series(metrics(runs, "vision-rl"), "rollout/reward")}
+    plot("vision", "Vision-language (tiny Qwen2-VL, shapes): SFT on images, then GRPO", [
+        ("SFT", "SFT step", "assistant-token loss", {"loss": r["sft_loss"]}, True),
+        ("GRPO", "RL step", "reward", {"train reward": r["rl_reward"]}, False)], r)
+    return r
+
+
+def distill(runs: Path) -> dict:
+    """On-policy distillation on the reverse task: the teacher is the default job's model
+    (tiny, warm-up + 150 GRPO steps); the student, a tiny model of another seed after the
+    default warm-up, learns from the teacher's per-token log-probs on its own samples."""
+    stages = {
+        "distill-teacher": (["rl"], "summary.json"),
+        "distill-student": (["rl", "--model.seed", "1", "--algo.estimator", "on_policy_distill",
+                             "--algo.teacher", str(runs / "distill-teacher" / "final"),
+                             "--train.steps", "120", "--train.lr", "2e-3"], "summary.json")}
+    wall = run_stages(runs, stages)
+    student, steps = read(runs, "distill-student", "summary.json"), metrics(runs, "distill-student")
+    kl = series(steps, "train/teacher_kl")
+    r = {"eval_before": student["eval_reward_before"], "eval_after": student["eval_reward_after"],
+         "teacher_eval": read(runs, "distill-teacher", "summary.json")["eval_reward_after"],
+         "teacher_kl_first_10": round(sum(kl[:10]) / 10, 3),
+         "teacher_kl_last_10": round(sum(kl[-10:]) / 10, 3),
+         "wall_s": round(sum(wall.values())), "stage_wall_s": {k: round(v) for k, v in wall.items()},
+         "command": command("distill", runs, stages), "stage_load": loads(runs, stages),
+         "teacher_kl": kl,
+         "reward": series(steps, "rollout/reward")}
+    r["eval_after_sft"] = r["eval_before"]  # (the plot's start point: the distillation's)
+    plot("distill", "On-policy distillation (reverse task): tiny student, tiny teacher", [
+        ("reverse KL to the teacher", "step", "nats per token", {"teacher KL": kl}, False),
+        ("student", "step", "reward", {"train reward (not in the loss)": r["reward"]}, False)], r)
+    del r["eval_after_sft"]
+    return r
+
+
+def plot(name: str, title: str, panels: list[tuple], r: dict) -> None:
+    """`panels`: (title, x label, y label, {label: values per step}, log y); the last panel
+    also shows the held-out evals of `r` at its start and end."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6))
+    for ax, (head, x, y, lines, log) in zip(axes, panels):
+        for label, ys in lines.items():
+            ax.plot(range(1, len(ys) + 1), ys, label=label)
+        ax.set(xlabel=x, ylabel=y, title=head, yscale="log" if log else "linear")
         ax.grid(alpha=0.3)
+    n = len(next(iter(panels[-1][3].values())))
+    start = r.get("eval_after_sft", r["eval_before"])
+    label = f"held-out: {r['eval_before']:.2f} at the start" + (
+        f", {start:.2f} after SFT" if start != r["eval_before"] else "")
+    axes[-1].plot([0, n], [start, r["eval_after"]], "o--", label=f"{label}, {r['eval_after']:.2f} after")
+    axes[-1].set_ylim(0, 1.05)
+    for ax in axes:
+        ax.legend(fontsize=7, loc="best")
     fig.suptitle(title)
     fig.tight_layout()
     (ROOT / "docs" / "images").mkdir(exist_ok=True)
     fig.savefig(ROOT / "docs" / "images" / f"scenario_{name}.png", dpi=100)
 
 
-SCENARIOS = {"tool_use": tool_use, "code_exec": None, "vision": None, "judge": None,
-             "distill": None}
+SCENARIOS = {"tool_use": tool_use, "code_exec": None, "vision": vision, "judge": None,
+             "distill": distill}
 
 
 def main(runs: Path, names: list[str]) -> None:

@@ -100,15 +100,15 @@ def teach(base: Path, out: Path, conversations: list[list[dict]], tools: list[di
 
     from instar.train.checkpoint import export_hf
     from instar.train.rank import Rank, join
-    from instar.train.sft import supervised
+    from instar.train.sft import image_processor, supervised
 
     join("cpu")
     try:
         one = OneRank(Rank(str(base), threads=2, lr=3e-3))
         rows = [{"messages": c, "tools": tools} for c in conversations]
         for _ in supervised(one, AutoTokenizer.from_pretrained(base), rows, steps,
-                            batch or len(rows),
-                            lambda _: 3e-3, seed=0):
+                            batch or len(rows), lambda _: 3e-3, seed=0,
+                            images=image_processor(base)):
             pass
         export_hf(base, out, one.rank.save_weights)
     finally:

@@ -5,8 +5,9 @@
     user       [image: a blue square] And this one?  (the observation brings a new image)
     assistant  blue                                 -> turn reward 0.5
 
-Each turn's reward is half the score of its answer: 1 for the right colour as the first
-word, else the fraction of its letters in the right place. Data (images drawn locally,
+Each turn's reward is half the score of its answer: 1 when its first word is the colour,
+else 0 (a colour is right or wrong: partial credit for letters in place paid RL for
+non-words such as "gue" and "rererebblow"). Data (images drawn locally,
 held-out shape/colour pairs): `python -m instar.tasks.shapes_data`. Needs a vision-language
 model (`--model.kind vl`). The same task through the OpenAI SDK: examples/shapes_openai.py.
 Written against the public contract, as a user would.
@@ -17,9 +18,7 @@ from instar.tasks.shapes_data import draw
 
 
 def score(answer: str, colour: str) -> float:
-    word = (answer.split() or [""])[0].strip(".,!").lower()
-    return 1.0 if word == colour else sum(a == b for a, b in zip(word, colour)) / max(
-        len(word), len(colour))
+    return float((answer.split() or [""])[0].strip(".,!").lower() == colour)
 
 
 class Shapes(Env):
