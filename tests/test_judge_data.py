@@ -13,7 +13,7 @@ from instar import parse_score
 from instar.agents.contract import Action, Task
 from instar.tasks.judge_data import judge_data, verdict
 from instar.tasks.reverse import score
-from instar.tasks.reverse_judged import JudgedReverse, rubric
+from instar.tasks.reverse_judged import JudgedReverse, letter_question, rubric
 
 
 def rows(path: str) -> list[dict]:
@@ -25,7 +25,7 @@ def question(row: dict) -> str:
 
 
 def test_verdicts_scores_and_split(tokenizer):
-    train, held_out, demos = (rows(p) for p in judge_data())
+    train, held_out, demos, _, _ = (rows(p) for p in judge_data())
     assert len(train) == 20000 and len(held_out) == 512 and len(demos) == 20000
     for row in train[:2000] + held_out:
         text = row["messages"][0]["content"]
@@ -48,15 +48,27 @@ def test_verdicts_scores_and_split(tokenizer):
         assert len(tokenizer.tokenize(f"{line[0]}|{line[1]}\n")) == 4
 
 
+def test_checklist_data():
+    train, held_out = (rows(p) for p in judge_data()[3:])
+    assert len(train) == 4000 and len(held_out) == 512
+    for row in train + held_out:
+        text = row["messages"][0]["content"]
+        x, y = (text.split(f"{w} letter: ")[1][0] for w in ("Reference", "Answer"))
+        assert text == letter_question(x, y)
+        assert row["messages"][1]["content"] == ("yes" if x == y else "no")
+    assert 0.45 < sum(r["messages"][1]["content"] == "yes" for r in train) / len(train) < 0.55
+
+
 class Judge:
     """A stand-in judge that always gives the same verdict."""
 
-    def __init__(self, reply: str):
+    def __init__(self, reply: str | dict[str, str]):
         self.reply, self.asked = reply, []
 
     async def ask(self, messages, **kwargs):
         self.asked.append(messages)
-        return self.reply
+        text = messages[0]["content"]
+        return self.reply if isinstance(self.reply, str) else self.reply[text]
 
 
 def test_judged_reward_is_the_verdict():
@@ -70,3 +82,15 @@ def test_judged_reward_is_the_verdict():
     [messages] = env.judge.asked
     assert messages[0]["content"] == rubric("Reverse: abcd", "dcba", "dcbb")
     assert messages[0]["content"].endswith("letter by letter:\nd|d\nc|c\nb|b\na|b")
+
+
+def test_checklist_reward_is_the_share_of_yeses():
+    env = JudgedReverse(rubric="checklist")
+    # a judge that gets the third position wrong (says yes) and the others right
+    env.judge = Judge({letter_question("d", "d"): "yes", letter_question("c", "c"): "yes",
+                       letter_question("b", "a"): "yes", letter_question("a", "-"): "no"})
+    asyncio.run(env.reset(Task(id="abcd", prompt="Reverse: abcd", label="dcba")))
+    result = asyncio.run(env.step(Action(text="dca", token_ids=[])))
+    assert len(env.judge.asked) == 4
+    assert result.reward == 0.75 and result.info["exact"] == 0.5
+    assert result.info["verdict"] == "yes yes yes no"

@@ -1,7 +1,8 @@
 """Data for a judge of the reverse task (instar/tasks/reverse_judged.py), generated
 deterministically from the reverse data (instar/tasks/reverse_data.py).
 
-    python -m instar.tasks.judge_data    # prints the paths: judge_train, judge_eval, demos
+    python -m instar.tasks.judge_data    # prints the paths: judge_train, judge_eval, demos,
+                                         # checklist_train, checklist_eval
 
 - judge_train: SFT JSONL (`instar sft --data.train ...`) of grading conversations. Each is
   the task's rubric for a reverse train question and a candidate answer, then the verdict
@@ -12,6 +13,8 @@ deterministically from the reverse data (instar/tasks/reverse_data.py).
 - judge_eval: the same for the reverse eval questions (none in judge_train), with the exact
   score as `score`, to measure how well a trained judge agrees with it.
 - demos: SFT JSONL of the reverse train tasks answered correctly (the policy's warm-up).
+- checklist_train, checklist_eval: SFT JSONL for the checklist rubric (`--agent.config rubric
+  checklist`): one position's question, "yes" or "no"; half the answer letters are right.
 """
 
 import json
@@ -19,11 +22,12 @@ import random
 
 from instar.tasks.reverse import score
 from instar.tasks.reverse_data import LETTERS, reverse_data
-from instar.tasks.reverse_judged import rubric
+from instar.tasks.reverse_judged import GAP, letter_question, rubric
 from instar.tasks.tiny_model import cache_root
 
 SHORT = 0.3
 """Share of the judge's training conversations about a word of one or two letters."""
+OTHERS = "ijklmnopqrstuvwxyz"
 
 
 def verdict(answer: str, reference: str) -> str:
@@ -68,11 +72,25 @@ def grading(row: dict, rng: random.Random) -> dict:
             "score": score(answer, row["label"])}
 
 
-def judge_data(n_train: int = 20000, n_eval: int = 512) -> tuple[str, str, str]:
-    """Paths of (judge_train, judge_eval, demos) JSONL, written once into the cache."""
+def checking(rng: random.Random) -> dict:
+    """One checklist conversation: a reference letter (or none), an answer letter right half
+    the time, else another letter of the task's, a letter it never uses, or none."""
+    x = rng.choice(LETTERS) if rng.random() > 0.1 else GAP
+    y = x if rng.random() < 0.5 else rng.choice(
+        [c for c in LETTERS + GAP + rng.choice(OTHERS) if c != x])
+    return {"messages": [{"role": "user", "content": letter_question(x, y)},
+                         {"role": "assistant", "content": "yes" if x == y else "no"}],
+            "score": float(x == y)}
+
+
+def judge_data(n_train: int = 20000, n_eval: int = 512,
+               n_checklist: int = 4000) -> tuple[str, str, str, str, str]:
+    """Paths of (judge_train, judge_eval, demos, checklist_train, checklist_eval) JSONL,
+    written once into the cache."""
     train_path, eval_path = reverse_data()
-    folder = cache_root() / "data" / f"reverse-judge-v3-{n_train}-{n_eval}"
-    paths = [folder / name for name in ("judge_train.jsonl", "judge_eval.jsonl", "demos.jsonl")]
+    folder = cache_root() / "data" / f"reverse-judge-v3-{n_train}-{n_eval}-{n_checklist}"
+    paths = [folder / name for name in ("judge_train.jsonl", "judge_eval.jsonl", "demos.jsonl",
+                                        "checklist_train.jsonl", "checklist_eval.jsonl")]
     if not paths[-1].exists():
         rng = random.Random(0)
         train = [json.loads(line) for line in open(train_path)]
@@ -82,8 +100,10 @@ def judge_data(n_train: int = 20000, n_eval: int = 512) -> tuple[str, str, str]:
         judged_eval = [grading(rng.choice(held_out), rng) for _ in range(n_eval)]
         demos = [{"messages": [{"role": "user", "content": r["prompt"]},
                                {"role": "assistant", "content": r["label"]}]} for r in train]
+        checklist = [checking(rng) for _ in range(n_checklist + n_eval)]
         folder.mkdir(parents=True, exist_ok=True)
-        for path, rows in zip(paths, (judged, judged_eval, demos)):
+        for path, rows in zip(paths, (judged, judged_eval, demos, checklist[:n_checklist],
+                                      checklist[n_checklist:])):
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
             tmp.replace(path)
