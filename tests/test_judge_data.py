@@ -65,13 +65,14 @@ class Judge:
     def __init__(self, reply: str | dict[str, str]):
         self.reply, self.asked = reply, []
 
-    async def ask(self, messages, **kwargs):
+    async def ask(self, messages, *, max_tokens: int, **kwargs):
         self.asked.append(messages)
+        self.max_tokens = max_tokens
         text = messages[0]["content"]
         return self.reply if isinstance(self.reply, str) else self.reply[text]
 
 
-def test_judged_reward_is_the_verdict():
+def test_judged_reward_is_the_verdict(tokenizer):
     env = JudgedReverse()
     env.judge = Judge("Score: 3")
     task = Task(id="abcd", prompt="Reverse: abcd", label="dcba")
@@ -82,9 +83,10 @@ def test_judged_reward_is_the_verdict():
     [messages] = env.judge.asked
     assert messages[0]["content"] == rubric("Reverse: abcd", "dcba", "dcbb")
     assert messages[0]["content"].endswith("letter by letter:\nd|d\nc|c\nb|b\na|b")
+    assert env.judge.max_tokens > len(tokenizer.tokenize("Score: 10"))  # room for any verdict
 
 
-def test_checklist_reward_is_the_share_of_yeses():
+def test_checklist_reward_is_the_share_of_yeses(tokenizer):
     env = JudgedReverse(rubric="checklist")
     # a judge that gets the third position wrong (says yes) and the others right
     env.judge = Judge({letter_question("d", "d"): "yes", letter_question("c", "c"): "yes",
@@ -94,3 +96,4 @@ def test_checklist_reward_is_the_share_of_yeses():
     assert len(env.judge.asked) == 4
     assert result.reward == 0.75 and result.info["exact"] == 0.5
     assert result.info["verdict"] == "yes yes yes no"
+    assert env.judge.max_tokens > len(tokenizer.tokenize("yes"))  # "ye" would read as 0

@@ -59,13 +59,13 @@ class JudgedReverse(Env):
             pairs = [(label[i] if i < len(label) else GAP, answer[i] if i < len(answer) else GAP)
                      for i in range(n)]
             verdicts = await asyncio.gather(*(self.judge.ask(
-                [{"role": "user", "content": letter_question(x, y)}], max_tokens=2)
+                [{"role": "user", "content": letter_question(x, y)}], max_tokens=4)
                 for x, y in pairs))
             reward, verdict = sum(map(parse_score, verdicts)) / n, " ".join(verdicts)
         else:
             verdict = await self.judge.ask(
                 [{"role": "user", "content": rubric(self.task.prompt, label, answer)}],
-                max_tokens=6)
+                max_tokens=8)
             reward = parse_score(verdict)
         return Result(reward=reward, info={"exact": score(answer, label), "verdict": verdict})
 
