@@ -56,7 +56,10 @@ def test_checklist_data():
         x, y = (text.split(f"{w} letter: ")[1][0] for w in ("Reference", "Answer"))
         assert text == letter_question(x, y)
         assert row["messages"][1]["content"] == ("yes" if x == y else "no")
-    assert 0.45 < sum(r["messages"][1]["content"] == "yes" for r in train) / len(train) < 0.55
+    assert 0.35 < sum(r["messages"][1]["content"] == "yes" for r in train) / len(train) < 0.5
+    gaps = [r["messages"][0]["content"] for r in train if "Reference letter: -" in
+            r["messages"][0]["content"]]  # the answer runs on: the judge must say no
+    assert len(gaps) > 600 and not any("Answer letter: -" in text for text in gaps)
 
 
 class Judge:

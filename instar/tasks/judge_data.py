@@ -73,11 +73,12 @@ def grading(row: dict, rng: random.Random) -> dict:
 
 
 def checking(rng: random.Random) -> dict:
-    """One checklist conversation: a reference letter (or none), an answer letter right half
-    the time, else another letter of the task's, a letter it never uses, or none."""
-    x = rng.choice(LETTERS) if rng.random() > 0.1 else GAP
-    y = x if rng.random() < 0.5 else rng.choice(
-        [c for c in LETTERS + GAP + rng.choice(OTHERS) if c != x])
+    """One checklist conversation: a reference letter (or none, a fifth of the time: the
+    answer runs on), an answer letter right half the time, else another letter of the
+    task's, a letter it never uses, or none (never both none: the Env does not ask that)."""
+    x = rng.choice(LETTERS) if rng.random() > 0.2 else GAP  # the answer runs on
+    others = [c for c in LETTERS + GAP + rng.choice(OTHERS) if c != x]
+    y = x if x != GAP and rng.random() < 0.5 else rng.choice(others)
     return {"messages": [{"role": "user", "content": letter_question(x, y)},
                          {"role": "assistant", "content": "yes" if x == y else "no"}],
             "score": float(x == y)}
@@ -88,7 +89,7 @@ def judge_data(n_train: int = 20000, n_eval: int = 512,
     """Paths of (judge_train, judge_eval, demos, checklist_train, checklist_eval) JSONL,
     written once into the cache."""
     train_path, eval_path = reverse_data()
-    folder = cache_root() / "data" / f"reverse-judge-v3-{n_train}-{n_eval}-{n_checklist}"
+    folder = cache_root() / "data" / f"reverse-judge-v4-{n_train}-{n_eval}-{n_checklist}"
     paths = [folder / name for name in ("judge_train.jsonl", "judge_eval.jsonl", "demos.jsonl",
                                         "checklist_train.jsonl", "checklist_eval.jsonl")]
     if not paths[-1].exists():
