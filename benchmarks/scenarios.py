@@ -105,6 +105,47 @@ def tool_use(runs: Path) -> dict:
     return r
 
 
+def code_exec(runs: Path) -> dict:
+    """Code execution with test feedback, two attempts (the task's default), tiny model: the
+    base model's held-out pass rate, SFT on the demonstrations (a quarter of them a wrong
+    first attempt, the task's report on it, then the fix), GRPO; last, the final model with
+    one attempt."""
+    from instar.tasks.code_exec_data import code_exec_data, code_exec_demos
+    from instar.tasks.tiny_model import builtin_model
+
+    train, held_out = code_exec_data()
+    demos = code_exec_demos()
+    agent = ["--agent", "instar/tasks/code_exec.py"]
+    evals = ["--data.eval", held_out, "--eval.size", "32", "--eval.samples", "4",
+             "--rollout.max-tokens", "48", "--rollout.max-model-len", "1024"]
+    stages = {
+        "code-base-eval": (["eval", *agent, "--model.path", str(builtin_model()), *evals],
+                           "eval.json"),
+        "code-sft": (["sft", "--data.train", demos, "--train.steps", "400", "--train.lr", "3e-3",
+                      "--data.prompts-per-step", "16", "--eval.size", "0"], "final"),
+        "code-rl": (["rl", *agent, "--model.path", str(runs / "code-sft" / "final"),
+                     "--data.train", train, *evals, "--train.warmup-sft-steps", "0",
+                     "--train.steps", "20", "--train.lr", "2e-4", "--data.prompts-per-step", "8",
+                     "--rollout.group-size", "8"], "summary.json"),
+        "code-one-attempt-eval": (["eval", *agent, "--agent.max-turns", "1", "--model.path",
+                                   str(runs / "code-rl" / "final"), *evals], "eval.json")}
+    wall = run_stages(runs, stages)
+    rl, steps = read(runs, "code-rl", "summary.json"), metrics(runs, "code-rl")
+    r = {"eval_before": read(runs, "code-base-eval", "eval.json")["eval/reward"],
+         "eval_after_sft": rl["eval_reward_before"], "eval_after": rl["eval_reward_after"],
+         "eval_after_one_attempt": read(runs, "code-one-attempt-eval", "eval.json")["eval/reward"],
+         "wall_s": round(sum(wall.values())), "stage_wall_s": {k: round(v) for k, v in wall.items()},
+         "command": command("code_exec", runs, stages), "stage_load": loads(runs, stages),
+         "sft_loss": series(metrics(runs, "code-sft"), "train/loss"),
+         "rl_reward": series(steps, "rollout/reward"),
+         "rl_attempts": series(steps, "rollout/info/attempts")}
+    plot("code_exec", "Code execution, two attempts (tiny model): SFT, then GRPO", [
+        ("SFT", "SFT step", "assistant-token loss", {"loss": r["sft_loss"]}, True),
+        ("GRPO", "RL step", "pass rate", {"train reward": r["rl_reward"]}, False)], r)
+    return r
+
+
+
 def vision(runs: Path) -> dict:
     """Vision-language (the colour of a shape, an image per turn), tiny Qwen2-VL: the base
     model's held-out reward, SFT on image conversations, then GRPO."""
@@ -188,7 +229,7 @@ def plot(name: str, title: str, panels: list[tuple], r: dict) -> None:
     fig.savefig(ROOT / "docs" / "images" / f"scenario_{name}.png", dpi=100)
 
 
-SCENARIOS = {"tool_use": tool_use, "code_exec": None, "vision": vision, "judge": None,
+SCENARIOS = {"tool_use": tool_use, "code_exec": code_exec, "vision": vision, "judge": None,
              "distill": distill}
 
 
