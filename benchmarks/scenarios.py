@@ -72,6 +72,25 @@ def read(runs: Path, name: str, file: str) -> dict:
     return json.loads((runs / name / file).read_text())
 
 
+def sft_then_rl(name: str, runs: Path, stages: dict, title: str, reward: str = "reward") -> dict:
+    """Run a scenario of three stages (`P-base-eval`, `P-sft`, `P-rl` in this order, and any
+    after them), its result and its plot: the held-out figure of the start model, after SFT
+    (the RL run's first eval) and after RL."""
+    wall = run_stages(runs, stages)
+    base, sft, rl = list(stages)[:3]
+    summary, steps = read(runs, rl, "summary.json"), metrics(runs, rl)
+    r = {"eval_before": read(runs, base, "eval.json")["eval/reward"],
+         "eval_after_sft": summary["eval_reward_before"], "eval_after": summary["eval_reward_after"],
+         "wall_s": round(sum(wall.values())), "stage_wall_s": {k: round(v) for k, v in wall.items()},
+         "command": command(name, runs, stages), "stage_load": loads(runs, stages),
+         "sft_loss": series(metrics(runs, sft), "train/loss"),
+         "rl_reward": series(steps, "rollout/reward")}
+    plot(name, title, [
+        ("SFT", "SFT step", "assistant-token loss", {"loss": r["sft_loss"]}, True),
+        ("GRPO", "RL step", reward, {"train reward": r["rl_reward"]}, False)], r)
+    return r
+
+
 def tool_use(runs: Path) -> dict:
     """Multi-turn tool use (lookup + calculator), tiny model, one-digit fact values: the base
     model's held-out reward, then SFT on the demonstrations, then GRPO."""
@@ -91,18 +110,8 @@ def tool_use(runs: Path) -> dict:
                      "--data.train", train, *evals, "--train.warmup-sft-steps", "0",
                      "--train.steps", "20", "--train.lr", "1e-4", "--data.prompts-per-step", "8",
                      "--rollout.group-size", "4"], "summary.json")}
-    wall = run_stages(runs, stages)
-    rl = read(runs, "tool-rl", "summary.json")
-    r = {"eval_before": read(runs, "tool-base-eval", "eval.json")["eval/reward"],
-         "eval_after_sft": rl["eval_reward_before"], "eval_after": rl["eval_reward_after"],
-         "wall_s": round(sum(wall.values())), "stage_wall_s": {k: round(v) for k, v in wall.items()},
-         "command": command("tool_use", runs, stages), "stage_load": loads(runs, stages),
-         "sft_loss": series(metrics(runs, "tool-sft"), "train/loss"),
-         "rl_reward": series(metrics(runs, "tool-rl"), "rollout/reward")}
-    plot("tool_use", "Tool use (tiny model, one-digit facts): SFT, then GRPO", [
-        ("SFT", "SFT step", "assistant-token loss", {"loss": r["sft_loss"]}, True),
-        ("GRPO", "RL step", "reward", {"train reward": r["rl_reward"]}, False)], r)
-    return r
+    return sft_then_rl("tool_use", runs, stages,
+                       "Tool use (tiny model, one-digit facts): SFT, then GRPO")
 
 
 def code_exec(runs: Path) -> dict:
@@ -129,19 +138,10 @@ def code_exec(runs: Path) -> dict:
                      "--rollout.group-size", "8"], "summary.json"),
         "code-one-attempt-eval": (["eval", *agent, "--agent.max-turns", "1", "--model.path",
                                    str(runs / "code-rl" / "final"), *evals], "eval.json")}
-    wall = run_stages(runs, stages)
-    rl, steps = read(runs, "code-rl", "summary.json"), metrics(runs, "code-rl")
-    r = {"eval_before": read(runs, "code-base-eval", "eval.json")["eval/reward"],
-         "eval_after_sft": rl["eval_reward_before"], "eval_after": rl["eval_reward_after"],
-         "eval_after_one_attempt": read(runs, "code-one-attempt-eval", "eval.json")["eval/reward"],
-         "wall_s": round(sum(wall.values())), "stage_wall_s": {k: round(v) for k, v in wall.items()},
-         "command": command("code_exec", runs, stages), "stage_load": loads(runs, stages),
-         "sft_loss": series(metrics(runs, "code-sft"), "train/loss"),
-         "rl_reward": series(steps, "rollout/reward"),
-         "rl_attempts": series(steps, "rollout/info/attempts")}
-    plot("code_exec", "Code execution, two attempts (tiny model): SFT, then GRPO", [
-        ("SFT", "SFT step", "assistant-token loss", {"loss": r["sft_loss"]}, True),
-        ("GRPO", "RL step", "pass rate", {"train reward": r["rl_reward"]}, False)], r)
+    r = sft_then_rl("code_exec", runs, stages,
+                    "Code execution, two attempts (tiny model): SFT, then GRPO", "pass rate")
+    r["eval_after_one_attempt"] = read(runs, "code-one-attempt-eval", "eval.json")["eval/reward"]
+    r["rl_attempts"] = series(metrics(runs, "code-rl"), "rollout/info/attempts")
     return r
 
 
@@ -164,18 +164,8 @@ def vision(runs: Path) -> dict:
                        "--data.train", train, *evals, "--train.warmup-sft-steps", "0",
                        "--train.steps", "30", "--train.lr", "1e-4", "--data.prompts-per-step", "8",
                        "--rollout.group-size", "8"], "summary.json")}
-    wall = run_stages(runs, stages)
-    rl = read(runs, "vision-rl", "summary.json")
-    r = {"eval_before": read(runs, "vision-base-eval", "eval.json")["eval/reward"],
-         "eval_after_sft": rl["eval_reward_before"], "eval_after": rl["eval_reward_after"],
-         "wall_s": round(sum(wall.values())), "stage_wall_s": {k: round(v) for k, v in wall.items()},
-         "command": command("vision", runs, stages), "stage_load": loads(runs, stages),
-         "sft_loss": series(metrics(runs, "vision-sft"), "train/loss"),
-         "rl_reward": series(metrics(runs, "vision-rl"), "rollout/reward")}
-    plot("vision", "Vision-language (tiny Qwen2-VL, shapes): SFT on images, then GRPO", [
-        ("SFT", "SFT step", "assistant-token loss", {"loss": r["sft_loss"]}, True),
-        ("GRPO", "RL step", "reward", {"train reward": r["rl_reward"]}, False)], r)
-    return r
+    return sft_then_rl("vision", runs, stages,
+                       "Vision-language (tiny Qwen2-VL, shapes): SFT on images, then GRPO")
 
 
 def distill(runs: Path) -> dict:
