@@ -21,7 +21,7 @@ import random
 
 from instar.tasks.code_exec import feedback
 from instar.tasks.sandbox import ExecResult
-from instar.tasks.tiny_model import cache_root
+from instar.tasks.tiny_model import cache_root, write_rows
 
 # family: (argument, what f returns, the reference body)
 FAMILIES = {
@@ -66,9 +66,7 @@ def code_exec_data(n_train: int = 2000, n_eval: int = 32) -> tuple[str, str]:
                       for n in range(n_train)]
         folder.mkdir(parents=True, exist_ok=True)
         for path, rows in ((train, train_rows), (held_out, eval_rows)):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(path)
+            write_rows(path, rows)
     return str(train), str(held_out)
 
 
@@ -118,9 +116,7 @@ def code_exec_demos(n_demos: int = 2000, fix_share: float = 0.25) -> str:
         with open(train) as f:
             rows = [json.loads(line) for line, _ in zip(f, range(n_demos))]
         demos = [demo(r, rng, rng.random() < fix_share) for r in rows]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(d) + "\n" for d in demos))
-        tmp.replace(path)
+        write_rows(path, demos)
     return str(path)
 
 

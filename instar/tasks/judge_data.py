@@ -23,7 +23,7 @@ import random
 from instar.tasks.reverse import score
 from instar.tasks.reverse_data import LETTERS, reverse_data
 from instar.tasks.reverse_judged import GAP, letter_question, rubric
-from instar.tasks.tiny_model import cache_root
+from instar.tasks.tiny_model import cache_root, write_rows
 
 SHORT = 0.3
 """Share of the judge's training conversations about a word of one or two letters."""
@@ -105,9 +105,7 @@ def judge_data(n_train: int = 20000, n_eval: int = 512,
         folder.mkdir(parents=True, exist_ok=True)
         for path, rows in zip(paths, (judged, judged_eval, demos, checklist[:n_checklist],
                                       checklist[n_checklist:])):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(path)
+            write_rows(path, rows)
     return tuple(str(p) for p in paths)
 
 

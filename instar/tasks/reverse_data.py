@@ -1,10 +1,9 @@
 """Data for the built-in reverse task, generated deterministically and cached as JSONL."""
 
-import json
 import random
 from pathlib import Path
 
-from instar.tasks.tiny_model import cache_root
+from instar.tasks.tiny_model import cache_root, write_rows
 
 LETTERS = "abcdefgh"
 AGENT_FILE = str(Path(__file__).with_name("reverse.py"))
@@ -29,7 +28,5 @@ def reverse_data() -> tuple[str, str]:
         seen: set[str] = set()
         eval_rows = _rows(1, 256, seen)
         for path, rows in ((train, _rows(0, 20000, seen)), (held_out, eval_rows)):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(path)
+            write_rows(path, rows)
     return str(train), str(held_out)

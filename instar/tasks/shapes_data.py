@@ -10,11 +10,10 @@ Demos: the train rows as the conversations a right answer makes (both images, as
 URLs, in the turns where the Env shows them), for `instar sft` on a vision-language model.
 """
 
-import json
 import random
 
 from instar.agents.images import data_url
-from instar.tasks.tiny_model import cache_root
+from instar.tasks.tiny_model import cache_root, write_rows
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
            "yellow": (230, 200, 30)}
@@ -76,9 +75,7 @@ def shapes_data() -> tuple[str, str, str]:
         folder.mkdir(parents=True, exist_ok=True)
         train = _rows(0, 2000, False)
         for path, rows in zip(paths, (train, _rows(1, 32, True), [demo(r) for r in train])):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(path)
+            write_rows(path, rows)
     return tuple(str(p) for p in paths)
 
 

@@ -202,6 +202,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "instar"
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """`rows` as JSONL at `path`, atomically: a reader finds the whole file or none."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
 def builtin_model(kind: str = "dense", size: str = "tiny", seed: int = 0) -> Path:
     """Path of the built-in model, built into the cache on first use."""
     path = cache_root() / "models" / f"{kind}-{size}-seed{seed}-v{BUILD_VERSION}"

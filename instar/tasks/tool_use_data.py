@@ -9,10 +9,9 @@
   the first train rows: lookups, a calculator call where needed, the answer (the number).
 """
 
-import json
 import random
 
-from instar.tasks.tiny_model import cache_root
+from instar.tasks.tiny_model import cache_root, write_rows
 from instar.tasks.tools import CALCULATOR, LOOKUP
 
 PLACES = ["Avalon", "Brill", "Corin", "Dunmore", "Elms", "Fairhold", "Glenn", "Harrow", "Ivel",
@@ -92,9 +91,7 @@ def tool_use_data(n_train: int = 3000, n_eval: int = 64, n_demos: int = 2000,
         demos = [demo(r) for r in train_rows[:n_demos]]
         folder.mkdir(parents=True, exist_ok=True)
         for path, rows in zip(paths, (train_rows, eval_rows, demos)):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(path)
+            write_rows(path, rows)
     return tuple(str(p) for p in paths)
 
 

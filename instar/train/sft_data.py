@@ -30,7 +30,7 @@ from typing import Any
 
 from instar.agents.chat import Message, render
 from instar.tasks.reverse_data import reverse_data
-from instar.tasks.tiny_model import cache_root
+from instar.tasks.tiny_model import cache_root, write_rows
 from instar.tasks.tools import CALCULATOR
 
 
@@ -156,7 +156,5 @@ def builtin_sft_data(n_reverse: int = 2000, n_calculator: int = 1000) -> Path:
         rows += [_calculator_row(rng) for _ in range(n_calculator)]
         rng.shuffle(rows)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
+        write_rows(path, rows)
     return path
