@@ -16,6 +16,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from instar.agents.images import image_urls
 from instar.cluster import ray_for
 from instar.config import Config
 from instar.inputs import model_path
@@ -43,6 +44,12 @@ def sft_inputs(cfg: Config) -> tuple[Path, object, list[dict], list[Sequence]]:
     if not cfg.data.train:  # built-in data: hold some rows out
         rows, held_out = rows[cfg.eval.size:], rows[:cfg.eval.size]
     images = image_processor(base)
+    for n, row in enumerate(rows, 1):  # (image_urls decodes each image: a bad one fails here)
+        try:
+            if image_urls(row["messages"]) and images is None:
+                raise ValueError(f"it has images, but {base} is not a vision-language model")
+        except ValueError as e:
+            raise ValueError(f"{cfg.data.train or 'the built-in data'}: row {n}: {e}") from None
     return base, tokenizer, rows, [sequence(tokenizer, row, images)
                                    for row in held_out[:cfg.eval.size]]
 

@@ -173,3 +173,24 @@ def test_image_conversations_expand_each_placeholder_as_the_engine_does():
     assert image_processor(builtin_model()) is None
     with pytest.raises(ValueError, match="not a vision-language"):
         sequence(tok, row, None)
+
+
+def test_instar_sft_refuses_bad_images_before_it_starts(tmp_path):
+    """A training row with an image that does not decode, or with images for a text-only
+    model, is named (file, row) by `sft_inputs`, before any trainer starts."""
+    from instar.config import Config
+    from instar.sft import sft_inputs
+    from instar.tasks.shapes_data import demo
+
+    row = demo({"prompt": "What colour is the shape?",
+                "shapes": [["circle", "red", 20, 20, 9], ["square", "blue", 30, 28, 12]]})
+    good, bad = json.dumps(row), json.dumps(row).replace("base64,", "base64,!!", 1)
+    for kind, lines, error in (("vl", [good, bad], "row 2: the image data does not decode"),
+                               ("dense", [good], "row 1: it has images, but .* is not a "
+                                                 "vision-language model")):
+        path = tmp_path / f"{kind}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        cfg = Config()
+        cfg.model.kind, cfg.data.train, cfg.eval.size = kind, str(path), 0
+        with pytest.raises(ValueError, match=error):
+            sft_inputs(cfg)
