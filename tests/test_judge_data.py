@@ -9,6 +9,8 @@ import asyncio
 import json
 from collections import Counter
 
+import pytest
+
 from instar import parse_score
 from instar.agents.contract import Action, Task
 from instar.tasks.judge_data import judge_data, verdict
@@ -100,3 +102,12 @@ def test_checklist_reward_is_the_share_of_yeses(tokenizer):
     assert result.reward == 0.75 and result.info["exact"] == 0.5
     assert result.info["verdict"] == "yes yes yes no"
     assert env.judge.max_tokens > len(tokenizer.tokenize("yes"))  # "ye" would read as 0
+
+
+def test_judged_env_refuses_a_bad_rubric_and_a_run_without_judge():
+    with pytest.raises(ValueError, match="rubric must be score or checklist, not 'bogus'"):
+        JudgedReverse(rubric="bogus")
+    env = JudgedReverse()
+    env.judge = None
+    with pytest.raises(ValueError, match="needs a judge: --agent.judge DIR"):
+        asyncio.run(env.reset(Task(id="abcd", prompt="Reverse: abcd", label="dcba")))
