@@ -1,17 +1,14 @@
-"""The reverse task graded by a judge model: the reward is the judge's score, not the exact one.
+"""The reverse task graded by a judge model: the reward is the judge's verdict, not the exact score.
 
     instar rl --agent instar/tasks/reverse_judged.py --agent.judge JUDGE_DIR ...
-    instar rl ... --agent.config rubric checklist     # one yes/no question per letter
 
-The judge (`--agent.judge`, a frozen model on its own engine) grades the answer against the
-reference. With the default `rubric score` it reads `rubric(...)` once: the question, the
-reference, the answer, and the two written out letter by letter, one pair a line ("d|d"),
-so that a small model can compare them, and replies "Score: N" (0-10). With `rubric
-checklist` it is asked `letter_question(...)` once for each position ("yes" or "no"), and the
-reward is the share of yeses. The exact letters-in-place score (instar/tasks/reverse.py) is
-never shown to the judge; it goes to `info["exact"]` (logged as rollout/info/exact), so a run
-shows whether the policy improves or only pleases the judge. Data to teach a judge either
-rubric: instar/tasks/judge_data.py.
+The judge (`--agent.judge`, a frozen model on an engine of its own) is asked one yes/no
+question for each position of the answer, `letter_question(...)`: is the answer's letter the
+reference's? All positions are asked at once, and the reward is the share of yeses. The exact
+letters-in-place score (instar/tasks/reverse.py) is never shown to the judge; it goes to
+`info["exact"]` (logged as rollout/info/exact), so a run shows whether the policy improves or
+only pleases the judge. A judge for it: trained on instar/tasks/judge_data.py's questions, and
+examined on every pair of letters with `Exam` below before it grades anything.
 """
 
 import asyncio
@@ -19,32 +16,17 @@ import asyncio
 from instar import Action, Env, Result, Task, parse_score
 from instar.tasks.reverse import score
 
-GAP = "-"  # the letter of a position one string lacks
-
-
-def rubric(question: str, reference: str, answer: str) -> str:
-    """The judge's prompt for one answer (stripped of surrounding white space)."""
-    n = max(len(reference), len(answer))
-    pairs = "\n".join(f"{reference[i] if i < len(reference) else GAP}|"
-                      f"{answer[i] if i < len(answer) else GAP}" for i in range(n))
-    return ("Score the answer from 0 to 10: the share of its letters in the right place. "
-            f"Reply with: Score: N\nQuestion: {question}\nReference: {reference}\n"
-            f"Answer: {answer}\nReference|answer, letter by letter:\n{pairs}")
+GAP = "none"  # the letter of a position one string lacks (a word: no one letter reads as it)
 
 
 def letter_question(reference: str, answer: str) -> str:
-    """The checklist's question for one position ("-": that string has no letter there)."""
-    return (f"Reference letter: {reference}\nAnswer letter: {answer}\n"
-            "Is the answer letter the reference letter? Reply yes or no.")
+    """The question for one position. The letters come last, each a token of its own."""
+    return ("Is the answer letter the reference letter? Reply yes or no.\n"
+            f"Reference letter:{reference}\nAnswer letter:{answer}")
 
 
 class JudgedReverse(Env):
     max_turns = 1
-
-    def __init__(self, rubric: str = "score"):
-        if rubric not in ("score", "checklist"):
-            raise ValueError(f"--agent.config rubric must be score or checklist, not {rubric!r}")
-        self.checklist = rubric == "checklist"
 
     async def reset(self, task: Task) -> str:
         if self.judge is None:
@@ -54,20 +36,33 @@ class JudgedReverse(Env):
 
     async def step(self, action: Action) -> Result:
         answer, label = action.text.strip(), self.task.label
-        if self.checklist:
-            n = max(len(label), len(answer), 1)
-            pairs = [(label[i] if i < len(label) else GAP, answer[i] if i < len(answer) else GAP)
-                     for i in range(n)]
-            verdicts = await asyncio.gather(*(self.judge.ask(
-                [{"role": "user", "content": letter_question(x, y)}], max_tokens=4)
-                for x, y in pairs))
-            reward, verdict = sum(map(parse_score, verdicts)) / n, " ".join(verdicts)
-        else:
-            verdict = await self.judge.ask(
-                [{"role": "user", "content": rubric(self.task.prompt, label, answer)}],
-                max_tokens=8)
-            reward = parse_score(verdict)
-        return Result(reward=reward, info={"exact": score(answer, label), "verdict": verdict})
+        n = max(len(label), len(answer), 1)
+        pairs = [(label[i] if i < len(label) else GAP, answer[i] if i < len(answer) else GAP)
+                 for i in range(n)]
+        verdicts = await asyncio.gather(*(self.judge.ask(
+            [{"role": "user", "content": letter_question(x, y)}], max_tokens=4)
+            for x, y in pairs))
+        return Result(reward=sum(map(parse_score, verdicts)) / n,
+                      info={"exact": score(answer, label), "verdict": " ".join(verdicts)})
+
+
+class Exam(Env):
+    """The judge's exam: each task is one letter question, its label the right verdict; the
+    reward is 1 when the reply reads (`parse_score`, as the Env reads it) as the label. Every
+    question, near-greedy (the Env asks at temperature 0, which eval refuses):
+
+        instar eval --agent instar/tasks/reverse_judged.py:Exam --model.path JUDGE \\
+            --data.eval EXAM --eval.size 1000 --eval.temperature 0.01 --rollout.max-tokens 4
+                                                                # EXAM: judge_data()[1]
+    """
+    max_turns = 1
+
+    async def reset(self, task: Task) -> str:
+        self.label = task.label
+        return task.prompt
+
+    async def step(self, action: Action) -> Result:
+        return Result(reward=float(parse_score(action.text) == parse_score(self.label)))
 
 
 AgentRunner = JudgedReverse
