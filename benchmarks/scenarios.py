@@ -201,7 +201,7 @@ def judge(runs: Path) -> dict:
     and examined on every pair before it grades anything; a tiny policy after the default
     warm-up; GRPO on the judge's share of yeses alone. The exact held-out score, which the judge
     never sees, before and after. The judge learns to tell the task's letters apart suddenly,
-    after a plateau (steps 1,000-1,100 in the measured run), so it is trained past that, then
+    after a plateau (near step 1,050 in the measured run), so it is trained past that, then
     at a low lr, and must pass its exam."""
     from instar.tasks.judge_data import judge_data
     from instar.tasks.reverse_data import reverse_data
