@@ -1,8 +1,9 @@
 """The judge's data for the reverse task (instar/tasks/judge_data.py) and the judged Env
 (instar/tasks/reverse_judged.py), tokenizer only: the training verdicts are right and balanced,
 the exam asks every question the Env can ask about a printable answer, each letter is a token
-of its own (" a" would be one token, " b" two), the Env's reward is the share of the judge's yeses while the exact score only goes
-to `info`, and `Exam` grades a judge's reply as the Env reads it."""
+of its own (" a" would be one token, " b" two), the Env's reward is the share of the judge's
+yeses while the exact score only goes to `info`, and `Exam` grades a judge's reply as the Env
+reads it."""
 
 import asyncio
 import json
