@@ -243,7 +243,7 @@ class EvalConfig:
     samples: int = 1
     """Samples per task; pass@k is reported for k = 1, 2, 4, ... up to this."""
     temperature: float = 1.0
-    """Sampling temperature for eval."""
+    """Sampling temperature for eval (0: greedy)."""
     max_tokens: int = 0
     """Most new tokens per model turn in eval (0: `rollout.max_tokens`)."""
     pass_threshold: float = 1.0
@@ -575,9 +575,10 @@ class Config:
             raise ValueError("--rollout.group-size must be at least 2 for RL (GRPO's baseline "
                              "is the group mean, so a group of one has no learning signal); at "
                              "least 1 otherwise")
-        if r.temperature <= 0 or e.temperature <= 0:
-            raise ValueError("--rollout.temperature and --eval.temperature must be > 0: "
-                             "greedy decoding has no behaviour log-probs to train with")
+        if r.temperature <= 0 or e.temperature < 0:
+            raise ValueError("--rollout.temperature must be > 0 (greedy decoding has no "
+                             "behaviour log-probs to train with), --eval.temperature >= 0 (0: "
+                             "greedy; eval trains on nothing)")
         if r.max_retries < 0 or r.preflight < 0 or r.runners < 0 or r.preflight_tol <= 0:
             raise ValueError("--rollout.max-retries, --rollout.preflight and --rollout.runners "
                              "must be >= 0, --rollout.preflight-tol > 0")

@@ -26,6 +26,7 @@ def changed(**settings) -> Config:
 @pytest.mark.parametrize("settings, flag", [
     (dict(rollout__group_size=1), "--rollout.group-size"),
     (dict(rollout__temperature=0.0), "--rollout.temperature"),
+    (dict(eval__temperature=-0.5), "--eval.temperature >= 0"),
     (dict(rollout__max_tokens=4096), "--rollout.max-tokens"),
     (dict(train__num_ranks=0), "--train.num-ranks"),
     (dict(data__prompts_per_step=0), "--data.prompts-per-step"),
@@ -132,6 +133,7 @@ def test_validate_names_the_flag(settings, flag):
     dict(train__lr_schedule="cosine", train__min_lr_ratio=0.0),
     dict(rollout__on_failure="retry", rollout__max_retries=5),
     dict(eval__size=8, eval__every=2, eval__samples=4),
+    dict(eval__size=8, eval__temperature=0.0),  # greedy eval (nothing trains on it)
     dict(checkpoint__every=10, checkpoint__keep=5),
     dict(checkpoint__resume="auto", logging__name="run"),
     dict(model__path="ckpt/", model__dtype="bfloat16"),

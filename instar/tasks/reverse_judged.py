@@ -49,10 +49,10 @@ class JudgedReverse(Env):
 class Exam(Env):
     """The judge's exam: each task is one letter question, its label the right verdict; the
     reward is 1 when the reply reads (`parse_score`, as the Env reads it) as the label. Every
-    question, near-greedy (the Env asks at temperature 0, which eval refuses):
+    question, greedy as the Env asks:
 
         instar eval --agent instar/tasks/reverse_judged.py:Exam --model.path JUDGE \\
-            --data.eval EXAM --eval.size 1000 --eval.temperature 0.01 --rollout.max-tokens 4
+            --data.eval EXAM --eval.size 1000 --eval.temperature 0 --rollout.max-tokens 4
                                                                 # EXAM: judge_data()[1]
     """
     max_turns = 1
