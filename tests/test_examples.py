@@ -56,9 +56,11 @@ def test_instar_rollout_runs_an_example_as_a_user_does(tool_model, ray_session, 
                                   "calculator_anthropic"])
 def test_each_example_runs_on_the_shared_engine(name, tool_engine, tokenizer):
     rollouts = Rollouts(load_agent(str(EXAMPLES / f"{name}.py")), {}, [tool_engine], tokenizer,
-                        model_name="tool_model", max_model_len=512, limits={})
+                        model_name="tool_model", max_model_len=512,
+                        limits={"timeout_s": 180})  # a hang: one failed rollout, told where
     try:
         batch = rollouts.run(load_tasks(str(CALCULATOR)), 2, SAMPLING, "rollout")
     finally:
         rollouts.close()
+    assert not batch.errors, [e["traceback"].splitlines()[-1] for e in batch.errors]
     check(name, batch.samples, dict(batch.failed))

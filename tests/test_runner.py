@@ -67,6 +67,8 @@ def test_chat_agent_failures_are_counted_and_the_batch_completes(engine, tokeniz
     assert dict(batch.failed) == {"agent_error": 2, "timeout": 2}
     assert len({s.rollout_id for s in batch.samples}) == 4
     assert all(s.info["ok"] for s in batch.samples)
+    assert all("no request with the engine (1 answered): the agent's own code" in e["traceback"]
+               for e in batch.errors if e["reason"] == "timeout")  # where it hung, told
 
 
 def test_run_config_overrides_agent_limits(engine, tokenizer):

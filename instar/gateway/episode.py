@@ -28,7 +28,8 @@ async def run_chat_episode(agent: ChatAgent, task: Task, gateway: Gateway, sampl
         session = gateway.sessions[sid]
         if not session.requeued and session.failed is None:  # (else the run's doing: below)
             if isinstance(e, TimeoutError):
-                raise EpisodeError("timeout", f"episode ran over {agent.timeout_s}s") from e
+                raise EpisodeError("timeout", f"episode ran over {agent.timeout_s}s; "
+                                       f"{session.where()}") from e
             if session.truncated is None:
                 raise
         reward, info = 0.0, {}  # the agent stopped at a limit the gateway enforced

@@ -33,6 +33,7 @@ import logging
 import secrets
 import socket
 import threading
+import time
 from typing import Any
 
 import uvicorn
@@ -292,7 +293,11 @@ class Gateway:
                       **({"seed": req.seed} if req.seed is not None else {})}
             if live is not None:
                 live.start = Reply("", [], "", None, len(turn.prompt_ids), 0)
-            gen = await self._generate(request, session, turn, params, live)
+            session.generating_since = time.monotonic()
+            try:
+                gen = await self._generate(request, session, turn, params, live)
+            finally:
+                session.generating_since = None
             if gen is None:
                 raise bad_request("the client disconnected")
             reply = make_reply(gen, req, len(turn.prompt_ids), self.tokenizer)

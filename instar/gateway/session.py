@@ -26,6 +26,7 @@ prompt as the engine expanded their placeholders (see instar/rollout/engine.py).
 """
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,16 @@ class Session:
         self.responses: dict[str, list[dict]] = {}
         """Responses wire: each stored response's conversation (instructions left out), for
         a later previous_response_id."""
+        self.generating_since: float | None = None
+        """When the request now with the engine went to it (time.monotonic); None: none is."""
+
+    def where(self) -> str:
+        """Where a timed-out episode was waiting: on the engine, or on the agent's side."""
+        if self.generating_since is not None:
+            return (f"its request {self.turns + 1} had been with the engine for "
+                    f"{time.monotonic() - self.generating_since:.0f}s")
+        return (f"no request with the engine ({self.turns} answered): the agent's own code, or "
+                "a request the gateway had not read")
 
     def plan(self, messages: list[Message], tools: list[dict] | None, options: Any = None) -> Turn:
         """`options`: the request's other fields that shape the reply (max_tokens, stop): a
