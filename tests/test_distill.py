@@ -2,7 +2,9 @@
 tiny model as teacher, to stay fast): the teacher is a built-in model after the supervised
 warm-up on the reverse task (here in this process, as conftest's `teach`); an untrained student
 (another seed) then trains on its own samples against the teacher's per-token log-probs
-(`--algo.estimator on_policy_distill`), and its reverse KL to the teacher falls."""
+(`--algo.estimator on_policy_distill`), and its reverse KL to the teacher falls. The mean of
+the last 3 steps over the first 3 was 0.29 for student seed 1 (this test), 0.47, 0.14 and 0.20
+for seeds 2, 3, 4 (2026-12-07); the test asks for below 0.7."""
 
 import pytest
 from conftest import instar, step_lines, teach
