@@ -300,7 +300,10 @@ class TrainConfig:
     warmup_sft_lr: float = 3e-3
     """Learning rate of the supervised warm-up."""
     warmup_sft_batch: int = 64
-    """Tasks per supervised warm-up step."""
+    """Tasks (or rows of --train.warmup-sft-data) per supervised warm-up step."""
+    warmup_sft_data: str = ""
+    """Chat JSONL for the warm-up to train on instead of the tasks' labels, as `instar sft`
+    reads it: multi-turn demonstrations, with tool calls or images."""
 
 
 @dataclass
@@ -725,7 +728,7 @@ class Config:
             self._unused("train.min_lr_ratio", unless="--train.lr-schedule cosine")
         if t.warmup_sft_steps == 0:
             self._unused("train.warmup_sft_lr", "train.warmup_sft_batch",
-                         unless="--train.warmup-sft-steps > 0")
+                         "train.warmup_sft_data", unless="--train.warmup-sft-steps > 0")
         if device != "cuda":
             self._unused("train.cpu_offload", "rollout.gpu_memory", unless="--cluster.device cuda")
         if device != "cpu":

@@ -57,6 +57,8 @@ def test_bad_inputs_exit_2_in_one_line_and_leave_no_run_directory(tmp_path, monk
     cases = {
         ("rollout", "--agent", path): f"instar rollout: error: agent file {path} defines no",
         ("rl", "--data.train", str(data)): f"instar rl: error: {data}:2: not JSON",
+        ("rl", "--train.warmup-sft-data", str(data)):  # (checked before anything starts)
+            f'instar rl: error: {data}:1: expected an object with a non-empty "messages" list',
         ("eval", "--config", "missing.yaml"): "instar eval: error: cannot read the recipe",
         ("rl", "--model.path", str(tmp_path / "no" / "such")): "instar rl: error: ",
         ("rl", "--lora.rank", "8", "--lora.targets", r".*(lm_head|q_proj)"):

@@ -76,6 +76,8 @@ def changed(**settings) -> Config:
     (dict(train__warmup_sft_steps=0, train__warmup_sft_lr=1e-3),
      "--train.warmup-sft-lr 0.001 has no effect unless --train.warmup-sft-steps > 0"),
     (dict(train__warmup_sft_steps=0, train__warmup_sft_batch=8), "--train.warmup-sft-batch 8"),
+    (dict(model__path="m", train__warmup_sft_data="demos.jsonl"),  # (0 steps with a model)
+     "--train.warmup-sft-data demos.jsonl has no effect unless --train.warmup-sft-steps > 0"),
     (dict(train__cpu_offload=True), "--train.cpu-offload has no effect unless --cluster.device cuda"),
     (dict(rollout__gpu_memory=0.9), "--rollout.gpu-memory 0.9 has no effect unless "
      "--cluster.device cuda"),
@@ -195,7 +197,8 @@ FLAGS = {  # every flag of each section, as --help shows it
     "lora": "rank alpha dropout targets merge path",
     "train": "steps num-ranks freeze threads-per-rank lr lr-warmup-steps lr-schedule min-lr-ratio "
              "weight-decay grad-clip micro-batch-tokens activation-checkpointing cpu-offload "
-             "master-dtype routing-replay warmup-sft-steps warmup-sft-lr warmup-sft-batch",
+             "master-dtype routing-replay warmup-sft-steps warmup-sft-lr warmup-sft-batch "
+             "warmup-sft-data",
     "algo": "estimator policy-loss aggregation clip-low clip-high dual-clip is-mode is-level "
             "is-low is-high kl-coef kl-estimator kl-in-reward reference teacher gamma lam "
             "critic-lr value-clip dynamic-filter max-resample epochs mini-batches entropy-coef "

@@ -2,6 +2,7 @@
 marks as lost to the infrastructure (InfraError), which leave their group instead of counting
 as reward 0. No engine: the fake one of test_agent_isolation answers at once."""
 
+import json
 import re
 from collections import Counter
 from dataclasses import replace
@@ -15,7 +16,7 @@ from instar.health import Health, HealthError, rates
 from instar.metrics import StepResult, step_metrics
 from instar.sample import Sample
 from instar.train.advantages import sample_advantages
-from tests.conftest import instar, step_lines
+from tests.conftest import CALCULATOR, TOOL_CONVERSATION, instar, step_lines
 from tests.test_agent_isolation import rollouts
 
 
@@ -115,3 +116,22 @@ def test_instar_rl_names_a_model_that_makes_no_tool_calls_before_step_1(ray_sess
     assert "--health.tool-calls" in err and "not using its tools" in err
     assert "Traceback" not in err
     assert not step_lines(tmp_path / "run")  # (no step ran)
+
+
+@pytest.mark.stack
+def test_a_warm_up_on_a_tool_demonstration_passes_the_same_gate(ray_session, tmp_path):
+    """`--train.warmup-sft-data`: the same run, warmed up first on one multi-turn
+    demonstration of a calculator call (with its tool) instead of the tasks' labels, calls
+    the tool and trains."""
+    examples = Path(__file__).parents[1] / "examples"
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text(json.dumps({"messages": TOOL_CONVERSATION, "tools": [CALCULATOR]}) + "\n")
+    run = instar(tmp_path, "rl", "--agent", str(examples / "calculator_env.py"),
+                 "--data.train", str(examples / "data" / "calculator.jsonl"),
+                 "--train.warmup-sft-data", str(demos), "--train.warmup-sft-steps", "250",
+                 "--eval.size", "0", "--rollout.preflight", "4",
+                 "--health.tool-calls", "1", "0.5", "--train.steps", "1",
+                 "--rollout.temperature", "0.3", "--rollout.max-tokens", "40")  # (as the
+    # examples' tests sample a taught model: room for the whole call, the taught path reliably)
+    (step,) = step_lines(run).values()
+    assert step["rollout/tool_calls"] >= 0.5, step
