@@ -16,6 +16,7 @@ from instar.rollout.parsers import check as check_parsers
 from instar.tasks.reverse_data import AGENT_FILE, reverse_data
 from instar.tasks.tiny_model import builtin_model
 from instar.train import lora
+from instar.train.sft import check_images
 from instar.train.sft_data import load_sft_jsonl
 
 
@@ -56,7 +57,7 @@ def run_inputs(cfg: Config) -> Inputs:
     other_model_paths(cfg)
     check_parsers(cfg.model.tool_parser, cfg.model.reasoning_parser)
     if cfg.train.warmup_sft_steps and cfg.train.warmup_sft_data:  # (refused now, not mid-run)
-        load_sft_jsonl(cfg.train.warmup_sft_data)
+        check_images(load_sft_jsonl(cfg.train.warmup_sft_data), path, cfg.train.warmup_sft_data)
     if cfg.lora.rank or cfg.lora.path:  # (an adapter the engines cannot serve is refused now)
         lora.engine_modules(str(path), lora.read(cfg.lora.path)["config"]["target_modules"]
                             if cfg.lora.path else cfg.lora.targets)

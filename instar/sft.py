@@ -16,14 +16,13 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from instar.agents.images import image_urls
 from instar.cluster import ray_for
 from instar.config import Config
 from instar.inputs import model_path
 from instar.progress import Bar
 from instar.train.batch import Sequence
 from instar.train.schedule import lr_at
-from instar.train.sft import image_processor, sequence, supervised
+from instar.train.sft import check_images, image_processor, sequence, supervised
 from instar.train.sft_data import builtin_sft_data, load_sft_jsonl
 from instar.train.trainer import Trainer
 
@@ -43,13 +42,7 @@ def sft_inputs(cfg: Config) -> tuple[Path, object, list[dict], list[Sequence]]:
     held_out = load_sft_jsonl(cfg.data.eval) if cfg.data.eval else []
     if not cfg.data.train:  # built-in data: hold some rows out
         rows, held_out = rows[cfg.eval.size:], rows[:cfg.eval.size]
-    images = image_processor(base)
-    for n, row in enumerate(rows, 1):  # (image_urls decodes each image: a bad one fails here)
-        try:
-            if image_urls(row["messages"]) and images is None:
-                raise ValueError(f"it has images, but {base} is not a vision-language model")
-        except ValueError as e:
-            raise ValueError(f"{cfg.data.train or 'the built-in data'}: row {n}: {e}") from None
+    images = check_images(rows, base, cfg.data.train or "the built-in data")
     return base, tokenizer, rows, [sequence(tokenizer, row, images)
                                    for row in held_out[:cfg.eval.size]]
 

@@ -2,8 +2,12 @@
 `instar CMD: error: ...` on stderr, exit code 2, no traceback (`--debug` shows it), and no run
 directory left behind. Agent files are checked without running them."""
 
-import pytest
+import json
 
+import pytest
+from PIL import Image
+
+from instar.agents.images import data_url
 from instar.agents.loading import check_agent_file, load_agent
 from instar.cli import main
 
@@ -54,11 +58,18 @@ def test_bad_inputs_exit_2_in_one_line_and_leave_no_run_directory(tmp_path, monk
     path, _ = agent(tmp_path, "class Mine:\n    pass\n")
     data = tmp_path / "tasks.jsonl"
     data.write_text('{"prompt": "a"}\n{"prompt": "b",}\n')
+    seen = tmp_path / "seen.jsonl"  # (an image the built-in text model cannot read)
+    seen.write_text(json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "image", "image": data_url(Image.new("RGB", (8, 8)))},
+                                     {"type": "text", "text": "What colour?"}]},
+        {"role": "assistant", "content": "black"}]}) + "\n")
     cases = {
         ("rollout", "--agent", path): f"instar rollout: error: agent file {path} defines no",
         ("rl", "--data.train", str(data)): f"instar rl: error: {data}:2: not JSON",
         ("rl", "--train.warmup-sft-data", str(data)):  # (checked before anything starts)
             f'instar rl: error: {data}:1: expected an object with a non-empty "messages" list',
+        ("rl", "--train.warmup-sft-data", str(seen)):
+            f"instar rl: error: {seen}: row 1: it has images, but ",
         ("eval", "--config", "missing.yaml"): "instar eval: error: cannot read the recipe",
         ("rl", "--model.path", str(tmp_path / "no" / "such")): "instar rl: error: ",
         ("rl", "--lora.rank", "8", "--lora.targets", r".*(lm_head|q_proj)"):

@@ -34,6 +34,19 @@ def image_processor(base: Path):
     return AutoImageProcessor.from_pretrained(base)
 
 
+def check_images(rows: list[dict], base: Path, source: str):
+    """The model's image processor (None: text only), once every row's images are read and
+    the model can see them; otherwise a ValueError naming `source` and the row."""
+    images = image_processor(base)
+    for n, row in enumerate(rows, 1):  # (image_urls decodes each image: a bad one fails here)
+        try:
+            if image_urls(row["messages"]) and images is None:
+                raise ValueError(f"it has images, but {base} is not a vision-language model")
+        except ValueError as e:
+            raise ValueError(f"{source}: row {n}: {e}") from None
+    return images
+
+
 def sequence(tokenizer, row: dict, images=None) -> Sequence:
     """A conversation as a training sequence. Its image parts (data URLs) need `images`, the
     model's image processor: each placeholder becomes as many tokens as the model reads the
