@@ -73,7 +73,7 @@ def test_agent_errors_and_timeouts_cost_one_rollout(engine, tokenizer):
     with pytest.raises(EpisodeError, match="agent_error: RuntimeError: boom") as e:
         episode(engine, tokenizer, Crashes())
     assert e.value.reason == "agent_error"
-    with pytest.raises(EpisodeError) as e:
+    with pytest.raises(EpisodeError, match=r"over 0.5s; in the agent's step \(turn 1\)") as e:
         episode(engine, tokenizer, Hangs())
     assert e.value.reason == "timeout"
     gen = ray.get(engine.generate.remote([1, 2, 3], SAMPLING))  # the engine is still serving

@@ -60,6 +60,8 @@ def test_env_failures_are_counted_and_the_batch_completes(engine, tokenizer):
     assert sorted(s.rollout_id for s in batch.samples) == ["t-0-0", "t-0-1", "t-3-0", "t-3-1"]
     assert all("RuntimeError: tool crashed" in e["traceback"] for e in batch.errors
                if e["reason"] == "agent_error")
+    assert all("in the agent's step (turn 1) for the last" in e["traceback"]
+               for e in batch.errors if e["reason"] == "timeout")  # where it hung, told
 
 
 def test_chat_agent_failures_are_counted_and_the_batch_completes(engine, tokenizer):

@@ -17,6 +17,7 @@ the loop above, and so the engine calls, stays on the caller's (the rollout) eve
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -138,18 +139,20 @@ async def _step(env: Env, gen: Generated):  # (parse_tool_calls, overridable, is
 
 
 async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
-                   sampling: dict[str, Any], call) -> dict:
+                   sampling: dict[str, Any], call, at: list) -> dict:
+    at[:] = "in the agent's reset", time.monotonic()  # (where it is: told if it times out)
     messages = as_messages(await call(env.reset, task))
     images = image_urls(messages)
     tokens = prompt_ids(tokenizer, messages, env.tools)
     mask, logprobs, versions = [False] * len(tokens), [None] * len(tokens), [None] * len(tokens)
     reward, turn_rewards, info, finish, routing = 0.0, [], {}, "max_turns", None
     call_errors = calls = 0
-    for _ in range(env.max_turns):
+    for turn in range(1, env.max_turns + 1):
         budget = env.max_tokens - len(tokens)
         if budget <= 0:
             finish = "max_tokens"
             break
+        at[:] = f"with the engine (turn {turn})", time.monotonic()
         gen = await generate(tokens, {**sampling, "max_tokens": min(sampling["max_tokens"], budget)},
                              images)
         if gen.prompt_ids is not None:  # new image placeholders (in the last observation) expanded
@@ -165,6 +168,7 @@ async def _episode(env: Env, task: Task, generate: Generate, tokenizer,
         routing = gen.routed_experts  # every position the engine has run (GPU MoE only)
         call_errors += gen.tool_call_errors
         calls += len(gen.tool_calls)
+        at[:] = f"in the agent's step (turn {turn})", time.monotonic()
         result = await call(_step, env, gen)
         reward += result.reward
         turn_rewards.append(result.reward)
@@ -205,12 +209,13 @@ async def run_env_episode(env: Env, task: Task, generate: Generate, tokenizer,
     Errors of `generate` (the engine) propagate unchanged: they are not the agent's. The
     deadline holds even while `step` blocks its thread: see `AgentThread`.
     """
-    agent = AgentThread.start(f"agent {rollout_id}")
+    agent, at = AgentThread.start(f"agent {rollout_id}"), []
     try:
-        ep = await asyncio.wait_for(
-            _episode(env, task, generate, tokenizer, sampling, agent.call), timeout=env.timeout_s)
+        ep = await asyncio.wait_for(_episode(env, task, generate, tokenizer, sampling,
+                                             agent.call, at), timeout=env.timeout_s)
     except TimeoutError as e:
-        raise EpisodeError("timeout", f"episode ran over {env.timeout_s}s") from e
+        raise EpisodeError("timeout", f"episode ran over {env.timeout_s}s; {at[0]} for the "
+                                      f"last {time.monotonic() - at[1]:.1f}s") from e
     finally:
         agent.close()
     return Sample(rollout_id=rollout_id, group_id=group_id, task_id=task.id, segment=0,
