@@ -67,9 +67,14 @@ def samples(engine, tokenizer, version: int) -> list[Sequence]:
     return seqs
 
 
-def held(engine) -> int:
-    """The version of the run's adapter the engine serves."""
-    return ray.get(engine.__ray_call__.remote(lambda e: e.loras["policy"][1]))
+def held(engine, trainer) -> int:
+    """The version of the run's adapter the engine serves; if none yet (a test run on its
+    own), the trainer's adapter as version 0."""
+    served = ray.get(engine.__ray_call__.remote(lambda e: e.loras.get("policy")))
+    if served is None:
+        ray.get(engine.load_adapter.remote(trainer.adapter(), 0))
+        return 0
+    return served[1]
 
 
 def adapter_bytes(model_path) -> int:
@@ -104,7 +109,7 @@ def test_engine_follows_the_trainer_through_syncs_that_send_only_the_adapter(
 
 def test_an_adapter_update_leaves_requests_in_flight_on_their_own_adapter(
         lora_engine, lora_trainer, tokenizer):
-    engine, version, adapter = lora_engine, held(lora_engine), lora_trainer.adapter()
+    engine, version, adapter = lora_engine, held(lora_engine, lora_trainer), lora_trainer.adapter()
     long = engine.generate.remote(chat(tokenizer, "Reverse: abc"),
                                   {"temperature": 1.0, "max_tokens": 450, "ignore_eos": True},
                                   version)
@@ -150,7 +155,7 @@ def test_the_exported_adapter_gives_the_trainers_logprobs_in_peft_vllm_and_merge
 def test_resume_is_exact_and_checkpoints_hold_only_the_adapter(lora_trainer, lora_engine,
                                                                 tokenizer, tmp_path):
     trainer, probe = lora_trainer, chat(tokenizer, "Reverse: mnop")
-    seqs = samples(lora_engine, tokenizer, held(lora_engine))
+    seqs = samples(lora_engine, tokenizer, held(lora_engine, trainer))
     trainer.step(seqs, "sft", lr=3e-2)
     trainer.save_checkpoint(tmp_path, 1, {"step": 1}, keep=1)
     trainer.step(seqs, "sft", lr=3e-2)  # (AdamW's state matters: its second step differs)
