@@ -1,10 +1,13 @@
-"""LLM-as-judge on the real stack. The judge is the tiny model taught to answer every rubric
-with "Score: 7" (conftest's `teach`), so a reward of 0.7 shows the judge model answered;
-the untaught tiny policy never writes that. Checks: the judge is called once per episode,
-the reward is what `parse_score` makes of its verdict, and none of its tokens (prompt or
-verdict) are in the samples."""
+"""LLM-as-judge on the real stack. The `policy` judge is the tiny model taught to answer every
+rubric with "Score: 7" (conftest's `teach`), so a reward of 0.7 shows the judge model
+answered; the untaught tiny policy never writes that. Checks: the judge is called once per
+episode, the reward is what `parse_score` makes of its verdict, and none of its tokens
+(prompt or verdict) are in the samples. The frozen judge (an engine of its own) is the
+scenario's, taught to grade the reverse task letter by letter: GRPO on its verdicts alone
+raises the exact score it never sees."""
 
 import random
+from pathlib import Path
 
 import openai
 import pytest
@@ -18,6 +21,7 @@ from instar.sample import read_jsonl
 
 EXAMPLE = "examples/judge_env.py"
 DATA = "examples/data/calculator.jsonl"
+JUDGE = Path(__file__).parent / "data" / "judge"  # the judge scenario's, exam passed
 Judged = load_agent(EXAMPLE)
 
 
@@ -82,19 +86,25 @@ def test_policy_judge(agent_cls, judge_engine, tokenizer):
 
 
 @pytest.mark.stack
-def test_frozen_judge_through_instar_rl(judge_model, ray_session, tmp_path):
-    """`--agent.judge DIR`: a frozen model on an engine of its own, wired by `instar rl`."""
-    run = instar(tmp_path, "rl", "--agent", EXAMPLE, "--agent.judge", str(judge_model),
-                 "--data.train", DATA, "--eval.size", "0",
-                 "--train.steps", "1", "--train.warmup-sft-steps", "0",
-                 "--data.prompts-per-step", "4", "--rollout.group-size", "2",
-                 "--rollout.max-tokens", "8")
-    (m,) = step_lines(run).values()
-    assert m["rollout/failed"] == 0 and m["invariants/abs_logprob_diff"] < 1e-4
+def test_grpo_on_a_frozen_judges_verdicts_raises_the_score_it_never_sees(ray_session, tmp_path):
+    """`--agent.judge DIR`: a frozen model on an engine of its own, wired by `instar rl`. The
+    judge is the LLM-as-judge scenario's (tests/data/judge/README.md), grading the default job
+    (the reverse task after its warm-up) through instar/tasks/reverse_judged.py: the reward is
+    its verdicts alone, and the exact score, which it never sees, rises. Its mean over the last
+    5 of 30 steps less the first 5's, for model and data seeds 0 (this test), 1 and 2:
+    +0.089, +0.138, +0.090 (2026-12-07). A step's exact score strays about 0.03 from its
+    trend, so a run that learnt nothing would pass the bar of +0.05 with p < 0.01."""
+    run = instar(tmp_path, "rl", "--agent", "instar/tasks/reverse_judged.py", "--agent.judge",
+                 str(JUDGE), "--train.steps", "30", "--eval.size", "0")
+    metrics = list(step_lines(run).values())
+    judged = [m["rollout/reward"] for m in metrics]
+    exact = [m["rollout/info/exact"] for m in metrics]
+    assert len(exact) == 30 and all(m["rollout/failed"] == 0 for m in metrics)
+    assert max(abs(j - e) for j, e in zip(judged, exact)) < 0.01  # the judge is right
+    assert sum(exact[-5:]) / 5 > sum(exact[:5]) / 5 + 0.05, exact
+    assert all(m["invariants/abs_logprob_diff"] < 1e-4 for m in metrics)
     samples = read_jsonl(run / "rollouts.jsonl")
-    verdicts = [s.info["verdict"] for s in samples]
-    assert samples and all(s.reward == parse_score(v) for s, v in zip(samples, verdicts))
-    assert verdicts.count("Score: 7") >= len(samples) - 1, verdicts
-    for s in samples:  # the policy's prompt and generation only
+    assert samples and all(set(s.info["verdict"].split()) <= {"yes", "no"} for s in samples)
+    for s in samples:  # the policy's prompt and generation only, no judge tokens
         n = s.loss_mask.index(True)
         assert not any(s.loss_mask[:n]) and all(s.loss_mask[n:])
