@@ -57,8 +57,8 @@ class ParserFlags:
 @dataclass
 class CheckModel:
     dir: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="DIR")]
-    """A Hugging Face checkpoint folder: config.json, the tokenizer and its chat template (the
-    weights are not read)."""
+    """A Hugging Face checkpoint folder (config.json, the tokenizer and its chat template; the
+    weights are not read), or a Hub id (org/name), fetched without its weights."""
     model: ParserFlags = field(default_factory=ParserFlags)
 
 
@@ -367,14 +367,14 @@ def features(stable: dict, moe: tuple[int, int, str]) -> list[Finding]:
 
 
 def load(spec: str, tool_parser: str, reasoning_parser: str):
-    """The folder and its tokenizer; a bad folder or parser name is a ValueError (one line)."""
+    """The folder (a Hub id's cached snapshot, without weights) and its tokenizer; a bad
+    folder, id or parser name is a ValueError (one line)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from instar.hub import resolve_model
     from instar.rollout.parsers import check
 
-    folder = Path(spec).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{spec}: not a Hugging Face checkpoint folder (no config.json)")
+    folder = resolve_model(spec, "checkpoint", weights=False)
     AutoConfig.from_pretrained(folder)  # (read again by `routers`: a bad one fails here)
     tok = AutoTokenizer.from_pretrained(folder)
     if not getattr(tok, "chat_template", None):

@@ -27,13 +27,15 @@ def is_hub_id(spec: str) -> bool:
     return True
 
 
-def snapshot(repo_id: str, flag: str, repo_type: str = "model") -> Path:
-    """The cached snapshot of Hub repository `repo_id`, downloaded first unless offline."""
+def snapshot(repo_id: str, flag: str, repo_type: str = "model", weights: bool = True) -> Path:
+    """The cached snapshot of Hub repository `repo_id`, downloaded first unless offline
+    (a model's weights only if `weights`)."""
     from huggingface_hub import is_offline_mode, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
     get = f"`hf download {'' if repo_type == 'model' else f'--repo-type {repo_type} '}{repo_id}`"
-    patterns = MODEL_FILES if repo_type == "model" else None
+    patterns = [p for p in MODEL_FILES if weights or p != "*.safetensors"] \
+        if repo_type == "model" else None
     try:
         return Path(snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns))
     except RepositoryNotFoundError as e:
@@ -61,15 +63,16 @@ def model_name(path: Path) -> str:
     return path.name
 
 
-def resolve_model(spec: str, flag: str) -> Path:
-    """The folder of the model `spec` names: a local folder with config.json, or a Hub id."""
+def resolve_model(spec: str, flag: str, weights: bool = True) -> Path:
+    """The folder of the model `spec` names: a local folder with config.json, or a Hub id
+    (whose weights are fetched only if `weights`)."""
     path = Path(spec).expanduser()
     if (path / "config.json").is_file():
         return path.absolute()
     if path.exists() or not is_hub_id(spec):
         raise ValueError(f"{flag} {spec}: not a folder with config.json, nor a Hugging Face "
                          "Hub id (org/name)")
-    folder = snapshot(spec, flag)
+    folder = snapshot(spec, flag, weights=weights)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{flag} {spec}: the Hub repository has no config.json (not a "
                          "transformers model)")

@@ -228,7 +228,7 @@ def test_a_template_that_rewrites_history_is_named_and_blocks(tmp_path, tiny_mod
 
 def test_a_bad_folder_or_parser_is_one_line_and_exit_2(tmp_path, tiny_model, capsys):
     bare = checkpoint(tmp_path, tiny_model, None)
-    for args, error in [([str(tmp_path / "no")], "no config.json"),
+    for args, error in [([str(tmp_path / "no")], "not a folder with config.json"),
                         ([str(bare)], "the tokenizer has no chat template"),
                         ([str(tiny_model), "--model.tool-parser", "hermez"],
                          "--model.tool-parser 'hermez' is not a vLLM parser")]:

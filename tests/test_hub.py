@@ -132,3 +132,19 @@ def test_a_failed_download_says_what_to_do(hub, monkeypatch):
                               "from the Hugging Face Hub failed (") and "\n" not in message
     assert message.endswith("run `hf download org/missing`, or pass a local folder"), message
     assert resolve_model("org/tiny", "--model.path").parent.name == "snapshots"  # cached: used
+
+
+def test_check_model_takes_a_hub_id_and_fetches_no_weights(hub, monkeypatch):
+    import huggingface_hub
+
+    from instar.check_model import load
+
+    asked, fetch = [], huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda *a, **k: asked.append(k["allow_patterns"]) or fetch(*a, **k))
+    folder, tokenizer = load("org/tiny", "", "")
+    assert folder == hub / "models--org--tiny" / "snapshots" / COMMIT and tokenizer.chat_template
+    assert "*.json" in asked[0] and "*.safetensors" not in asked[0]
+    with pytest.raises(ValueError, match="^checkpoint org/missing: not a local folder, and this "
+                                         "Hugging Face Hub id is not in the cache"):
+        load("org/missing", "", "")
