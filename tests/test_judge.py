@@ -102,6 +102,7 @@ def test_grpo_on_a_frozen_judges_verdicts_raises_the_score_it_never_sees(ray_ses
     assert len(exact) == 30 and all(m["rollout/failed"] == 0 for m in metrics)
     assert max(abs(j - e) for j, e in zip(judged, exact)) < 0.01  # the judge is right
     assert sum(exact[-5:]) / 5 > sum(exact[:5]) / 5 + 0.05, exact
+    assert "invariants/abs_logprob_diff" in metrics[0]  # step 1's tokens all have lag 0
     assert all(m.get("invariants/abs_logprob_diff", 0.0) < 1e-4 for m in metrics)
     samples = read_jsonl(run / "rollouts.jsonl")
     assert samples and all(set(s.info["verdict"].split()) <= {"yes", "no"} for s in samples)
