@@ -65,6 +65,7 @@ def step_times(workload: str, max_staleness: int) -> tuple[list[dict], dict]:
     """The measured steps' metrics; CPU seconds per measured step by kind of process."""
     size, tasks, samples, max_tokens, fixed, steps, warmup = WORKLOADS[workload]
     cfg = Config()
+    cfg.data.task = "reverse"
     cfg.model.size, cfg.train.steps, cfg.train.warmup_sft_steps = size, steps, 0
     cfg.train.num_ranks, cfg.train.threads_per_rank, cfg.rollout.threads = 1, 1, 1
     cfg.data.prompts_per_step, cfg.rollout.group_size = tasks, samples

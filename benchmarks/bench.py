@@ -70,7 +70,7 @@ from instar.config import Config
 from instar.inputs import task_order
 from instar.tasks.reverse_data import reverse_data
 from instar.tasks.tiny_model import builtin_model
-from instar.train.sft import warmup
+from instar.train.sft import label_rows, warmup
 
 HERE = Path(__file__).parent
 TRL_INSTALL = ("pip install --target /tmp/trl-site --no-deps trl==1.16.0 accelerate==1.16.0 "
@@ -91,11 +91,12 @@ def weights_for(w: Workload, base: Path, overrides: dict | None = None) -> Path:
     if not w.sft_steps:
         return base
     cfg = configure(Config(), overrides)
-    cfg.data.train = reverse_data()[0]
+    cfg.data.task, cfg.data.train = "reverse", reverse_data()[0]
     cfg.train.warmup_sft_steps, cfg.logging.progress = w.sft_steps, False
     cfg.validate()
     with ray_for(""):
-        return warmup(cfg, base, load_tasks(cfg.data.train), AutoTokenizer.from_pretrained(base))
+        return warmup(cfg, base, label_rows(load_tasks(cfg.data.train)),
+                      AutoTokenizer.from_pretrained(base))
 
 
 def write_tasks(w: Workload, folder: Path) -> tuple[Path, Path]:

@@ -32,7 +32,7 @@ STEPS, RANK = 8, 8
 
 def config(lora_rank: int) -> Config:
     cfg = Config()
-    cfg.model.size = "small"
+    cfg.model.size, cfg.data.task = "small", "reverse"
     cfg.train.steps, cfg.train.warmup_sft_steps = STEPS, 0
     cfg.eval.size, cfg.logging.progress, cfg.checkpoint.save_final = 0, False, False
     cfg.rollout.max_staleness = 0  # rollout, train and sync one after another: each timed alone

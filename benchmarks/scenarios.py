@@ -169,12 +169,13 @@ def vision(runs: Path) -> dict:
 
 
 def distill(runs: Path) -> dict:
-    """On-policy distillation on the reverse task: the teacher is the default job's model
+    """On-policy distillation on the reverse task: the teacher is the reverse job's model
     (tiny, warm-up + 150 GRPO steps); the student, a tiny model of another seed after the
-    default warm-up, learns from the teacher's per-token log-probs on its own samples."""
+    same warm-up, learns from the teacher's per-token log-probs on its own samples."""
     stages = {
-        "distill-teacher": (["rl"], "summary.json"),
-        "distill-student": (["rl", "--model.seed", "1", "--algo.estimator", "on_policy_distill",
+        "distill-teacher": (["rl", "--data.task", "reverse"], "summary.json"),
+        "distill-student": (["rl", "--data.task", "reverse", "--model.seed", "1",
+                             "--algo.estimator", "on_policy_distill",
                              "--algo.teacher", str(runs / "distill-teacher" / "final"),
                              "--train.steps", "120", "--train.lr", "2e-3"], "summary.json")}
     wall = run_stages(runs, stages)

@@ -28,7 +28,7 @@ STEPS = 8
 
 def main():
     cfg = Config()
-    cfg.model.size = "small"
+    cfg.model.size, cfg.data.task = "small", "reverse"
     cfg.train.steps, cfg.train.warmup_sft_steps = STEPS, 0
     cfg.eval.size, cfg.logging.progress = 0, False
     cfg.checkpoint.save_final = False

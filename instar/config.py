@@ -35,6 +35,20 @@ cores it leaves idle are better spent training beside it (overlap). Measured on 
 8 (long: 16 sequences of 1024 tokens) faster overlapping."""
 
 
+TASK_SETTINGS = {
+    "tool_use": {"train.warmup_sft_steps": 425, "train.warmup_sft_batch": 16, "train.lr": 3e-4,
+                 "train.steps": 60, "data.prompts_per_step": 8, "rollout.max_tokens": 80},
+    "reverse": {"train.warmup_sft_steps": 60, "train.warmup_sft_batch": 64, "train.lr": 1e-3,
+                "train.steps": 150, "data.prompts_per_step": 16, "rollout.max_tokens": 24}}
+"""The defaults of each built-in task (--data.task) on the built-in model, which starts from
+random weights: its supervised warm-up, then GRPO. Measured on 2 cores (docs/scenarios.md,
+docs/benchmarks.md): tool_use learns in about 8 minutes, reverse in about 3. `instar sft`
+takes the reverse row (it does not run the task)."""
+PRETRAINED_SETTINGS = {"train.warmup_sft_steps": 0, "train.warmup_sft_batch": 64, "train.lr": 1e-6,
+                       "train.steps": 150, "data.prompts_per_step": 16, "rollout.max_tokens": 1024}
+"""The defaults with --model.path: a pretrained model's RL settings, and no warm-up."""
+
+
 def estimator_names() -> Any:
     """The choices of --algo.estimator: the registry `ESTIMATORS` (instar/train/advantages.py),
     read when the flags are parsed, not at import: `instar` and the --help of commands without
@@ -81,12 +95,20 @@ class DataConfig:
     eval: str = ""
     """Held-out tasks for eval, in the same forms (a Hub dataset: its test, else validation
     split). Empty: the built-in task's held-out data."""
+    task: Literal["tool_use", "reverse"] = "tool_use"
+    """The built-in task: its data, agent and warm-up demonstrations are what a run takes where
+    --data.train, --data.eval, --agent or --train.warmup-sft-data are not given, and with the
+    built-in model its measured settings are the defaults (TASK_SETTINGS). tool_use: questions
+    answered with lookup and calculator tools (instar/tasks/tool_use.py); reverse: reverse a
+    string of letters in one reply (instar/tasks/reverse.py)."""
     prompt_key: str = "prompt"
     """Column of the task data that holds the prompt."""
     label_key: str = "label"
     """Column of the task data that holds the label (passed to the agent as `task.label`)."""
-    prompts_per_step: int = 16
-    """Distinct tasks per training step (each is sampled `rollout.group_size` times)."""
+    prompts_per_step: int | None = None
+    """Distinct tasks per training step (each is sampled `rollout.group_size` times); in
+    `instar sft`, rows per step. Default: the built-in task's setting with the built-in model
+    (tool_use: 8), else 16."""
     seed: int = 0
     """Seed for shuffling the training tasks."""
 
@@ -252,8 +274,10 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 150
-    """RL steps (each: generate, score, one optimizer step, weight sync)."""
+    steps: int | None = None
+    """RL steps (each: generate, score, one optimizer step, weight sync); SFT steps in
+    `instar sft`. Default: the built-in task's setting with the built-in model (tool_use: 60),
+    else 150."""
     num_ranks: int = 2
     """FSDP2 ranks, one Ray actor each."""
     freeze: list[str] = field(default_factory=list)
@@ -293,17 +317,20 @@ class TrainConfig:
     recorded for each token (GPU engines record them), with routing weights from the router's
     softmax at those experts, so the router still trains. No effect without recorded routing."""
     warmup_sft_steps: int | None = None
-    """Supervised steps on the training tasks' labels before RL (0: none). The warmed-up
-    model is cached, keyed by the base model, data and these settings. Default: 60 for the
-    built-in model (it starts from random weights), 0 with --model.path: nothing but RL
-    trains your model unless you ask."""
+    """Supervised steps before RL on the training tasks' labels, or on demonstrations
+    (--train.warmup-sft-data; the built-in tool_use task has its own); 0: none. The
+    warmed-up model is cached, keyed by the base model, the rows and these settings. Default:
+    the built-in task's setting for the built-in model, which starts from random weights
+    (tool_use: 425), 0 with --model.path: nothing but RL trains your model unless you ask."""
     warmup_sft_lr: float = 3e-3
     """Learning rate of the supervised warm-up."""
-    warmup_sft_batch: int = 64
-    """Tasks (or rows of --train.warmup-sft-data) per supervised warm-up step."""
+    warmup_sft_batch: int | None = None
+    """Tasks (or rows of --train.warmup-sft-data) per supervised warm-up step. Default: the
+    built-in task's setting with the built-in model (tool_use: 16), else 64."""
     warmup_sft_data: str = ""
     """Chat JSONL for the warm-up to train on instead of the tasks' labels, as `instar sft`
-    reads it: multi-turn demonstrations, with tool calls or images."""
+    reads it: multi-turn demonstrations, with tool calls or images. Empty: the built-in
+    task's demonstrations when it runs on its own data (tool_use has them), else the labels."""
 
 
 @dataclass
@@ -490,18 +517,19 @@ class Config:
         return self.data.prompts_per_step * self.rollout.group_size
 
     def validate(self, rl: bool = True, trains: bool | None = None) -> "Config":
-        """Fill in the defaults that depend on the model (`resolved_defaults`), then refuse
-        out-of-range, contradictory or silently ignored settings; each message names the flag
-        to change. `rl`: the settings are for RL training (a group needs two samples for a
+        """Fill in the defaults that depend on the model and task (`resolved_defaults`), then
+        refuse out-of-range, contradictory or silently ignored settings; each message names the
+        flag to change. `rl`: the settings are for RL training (a group needs two samples for a
         baseline; `instar rollout` and `instar eval` may take one); `trains`: the command trains
         (rl, sft; default: `rl`)."""
-        for name, value in self.resolved_defaults().items():
+        trains = rl if trains is None else trains
+        defaults = self.resolved_defaults(sft=trains and not rl)
+        for name, value in defaults.items():
             section, key = name.split(".")
             if getattr(getattr(self, section), key) in (None, "auto"):
                 setattr(getattr(self, section), key, value)
         self._check_ranges(rl)
         self._check_combinations()
-        trains = rl if trains is None else trains
         if self.lora.rank and not trains:
             raise ValueError("--lora.rank trains an adapter (instar rl, instar sft); to serve a "
                              "trained one here, give --lora.path DIR")
@@ -511,7 +539,7 @@ class Config:
         if self.lora.path and trains:
             raise ValueError("--lora.path serves a trained adapter (instar rollout, eval, "
                              "serve); training starts a new one: --lora.rank R")
-        self._check_ignored()
+        self._check_ignored(defaults)
         return self
 
     def lanes(self) -> list[tuple[str, "Config"]]:
@@ -527,12 +555,15 @@ class Config:
                                      if a.max_staleness < 0 else a.max_staleness)))
                 for a in self.lora.adapters] or [("", self)]
 
-    def resolved_defaults(self) -> dict[str, Any]:
-        """The defaults that depend on the model, its dtype and the devices: what a setting
-        left unset (None, or --cluster.device auto) becomes. The built-in model is a fresh tiny
-        one that needs a supervised warm-up, a high learning rate and short replies; a
-        pretrained model (--model.path) gets a pretrained model's RL settings."""
-        own, bf16, device = bool(self.model.path), self.model.dtype == "bfloat16", self.cluster.device
+    def resolved_defaults(self, sft: bool = False) -> dict[str, Any]:
+        """The defaults that depend on the model, the task, its dtype and the devices: what a
+        setting left unset (None, or --cluster.device auto) becomes. The built-in model is a
+        fresh tiny one: it takes the built-in task's measured settings (TASK_SETTINGS; `sft`:
+        for `instar sft`, which does not run the task); a pretrained model (--model.path) gets
+        a pretrained model's RL settings."""
+        bf16, device = self.model.dtype == "bfloat16", self.cluster.device
+        settings = (PRETRAINED_SETTINGS if self.model.path else
+                    TASK_SETTINGS["reverse" if sft else self.data.task])
         # threads: colocated engines and ranks take turns with every core (or share them, see
         # `schedule_for`); disaggregated ones divide them, each bundle reserving its own
         engines, ranks = self.rollout.num_engines, self.train.num_ranks
@@ -542,10 +573,8 @@ class Config:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return {"cluster.device": device, "train.lr": 1e-6 if own else 1e-3,
-                "train.warmup_sft_steps": 0 if own else 60,
-                "rollout.max_tokens": 1024 if own else 24,
-                "rollout.max_model_len": 4096 if own else 1024,
+        return {"cluster.device": device, **settings,
+                "rollout.max_model_len": 4096 if self.model.path else 1024,
                 "rollout.threads": max(1, cores() // max(1, engines)),
                 "train.threads_per_rank": max(1, cores() // max(1, ranks)),
                 "rollout.preflight_tol": 3e-2 if bf16 else 1e-3,
@@ -700,76 +729,81 @@ class Config:
             raise ValueError("--algo.estimator on_policy_distill needs --algo.teacher (an HF "
                              "folder sharing the policy's tokenizer)")
 
-    def _check_ignored(self) -> None:
-        """Settings changed from their defaults where nothing reads them."""
+    def _check_ignored(self, defaults: dict[str, Any]) -> None:
+        """Settings changed from their `defaults` (resolved ones, else the field's) where
+        nothing reads them."""
+
+        def unused(*names: str, unless: str) -> None:
+            """Refuse any of `names` ("section.field") that differs from its default."""
+            for name in names:
+                section_name, key = name.split(".")
+                section = getattr(self, section_name)
+                value = getattr(section, key)
+                if value != defaults.get(name, getattr(type(section)(), key)):
+                    flag = f"--{section_name}.{key.replace('_', '-')}"
+                    shown = flag if isinstance(value, bool) else f"{flag} {value}"
+                    raise ValueError(f"{shown} has no effect unless {unless}: set that, or "
+                               f"leave out {flag}")
+
         r, t, a, device = self.rollout, self.train, self.algo, self.cluster.device
         if a.policy_loss != "ppo":
-            self._unused("algo.dual_clip", unless="--algo.policy-loss ppo (dual clip is PPO's)")
+            unused("algo.dual_clip", unless="--algo.policy-loss ppo (dual clip is PPO's)")
         if a.kl_coef == 0:
-            self._unused("algo.kl_in_reward", "algo.kl_estimator", "algo.reference",
-                         unless="--algo.kl-coef > 0 (0: no KL, no reference model)")
+            unused("algo.kl_in_reward", "algo.kl_estimator", "algo.reference",
+                   unless="--algo.kl-coef > 0 (0: no KL, no reference model)")
         if a.estimator != "on_policy_distill":
-            self._unused("algo.teacher", unless="--algo.estimator on_policy_distill")
+            unused("algo.teacher", unless="--algo.estimator on_policy_distill")
         if a.estimator != "gae":
-            self._unused("algo.gamma", "algo.lam", "algo.critic_lr", "algo.value_clip",
-                         unless="--algo.estimator gae (they are the critic's)")
+            unused("algo.gamma", "algo.lam", "algo.critic_lr", "algo.value_clip",
+                   unless="--algo.estimator gae (they are the critic's)")
         if not a.dynamic_filter:
-            self._unused("algo.max_resample", unless="--algo.dynamic-filter")
+            unused("algo.max_resample", unless="--algo.dynamic-filter")
         if a.kl_coef == 0 or a.kl_target == 0:
-            self._unused("algo.kl_horizon", unless="--algo.kl-target > 0 (adaptive KL)")
+            unused("algo.kl_horizon", unless="--algo.kl-target > 0 (adaptive KL)")
         if a.kl_coef == 0:
-            self._unused("algo.kl_target", unless="--algo.kl-coef > 0 (its starting value)")
+            unused("algo.kl_target", unless="--algo.kl-coef > 0 (its starting value)")
         if a.overlong_buffer == 0:
-            self._unused("algo.overlong_penalty", unless="--algo.overlong-buffer > 0")
+            unused("algo.overlong_penalty", unless="--algo.overlong-buffer > 0")
         if a.is_mode == "off":
-            self._unused("algo.is_level", "algo.is_low", "algo.is_high",
-                         unless="--algo.is-mode mask, clip or truncate")
+            unused("algo.is_level", "algo.is_low", "algo.is_high",
+                   unless="--algo.is-mode mask, clip or truncate")
         if t.lr_schedule == "constant":
-            self._unused("train.min_lr_ratio", unless="--train.lr-schedule cosine")
+            unused("train.min_lr_ratio", unless="--train.lr-schedule cosine")
         if t.warmup_sft_steps == 0:
-            self._unused("train.warmup_sft_lr", "train.warmup_sft_batch",
-                         "train.warmup_sft_data", unless="--train.warmup-sft-steps > 0")
+            unused("train.warmup_sft_lr", "train.warmup_sft_batch",
+                   "train.warmup_sft_data", unless="--train.warmup-sft-steps > 0")
         if device != "cuda":
-            self._unused("train.cpu_offload", "rollout.gpu_memory", unless="--cluster.device cuda")
+            unused("train.cpu_offload", "rollout.gpu_memory", unless="--cluster.device cuda")
         if device != "cpu":
-            self._unused("rollout.kv_cache_gb", unless="--cluster.device cpu (a GPU engine's "
-                         "KV cache is what --rollout.gpu-memory leaves)")
+            unused("rollout.kv_cache_gb", unless="--cluster.device cpu (a GPU engine's "
+                   "KV cache is what --rollout.gpu-memory leaves)")
         if r.on_failure != "retry":
-            self._unused("rollout.max_retries", unless="--rollout.on-failure retry")
+            unused("rollout.max_retries", unless="--rollout.on-failure retry")
         if r.preflight == 0:
-            self._unused("rollout.preflight_tol", unless="--rollout.preflight > 0")
+            unused("rollout.preflight_tol", unless="--rollout.preflight > 0")
         if r.placement != "disaggregated":
-            self._unused("cluster.engine_resource", "cluster.trainer_resource",
-                         unless="--rollout.placement disaggregated (colocated engines and ranks "
-                         "share bundles)")
+            unused("cluster.engine_resource", "cluster.trainer_resource",
+                   unless="--rollout.placement disaggregated (colocated engines and ranks "
+                   "share bundles)")
         if self.lora.rank == 0:
-            self._unused("lora.alpha", "lora.dropout", "lora.targets", "lora.merge",
-                         unless="--lora.rank > 0 (they shape the adapter trained)")
+            unused("lora.alpha", "lora.dropout", "lora.targets", "lora.merge",
+                   unless="--lora.rank > 0 (they shape the adapter trained)")
         else:
-            self._unused("train.freeze", unless="--lora.rank 0 (LoRA freezes the whole base)")
+            unused("train.freeze", unless="--lora.rank 0 (LoRA freezes the whole base)")
         if r.runners == 0:
-            self._unused("cluster.runner_resource", unless="--rollout.runners > 0")
+            unused("cluster.runner_resource", unless="--rollout.runners > 0")
         if self.eval.size == 0:
-            self._unused("data.eval", "eval.every", "eval.samples", "eval.temperature",
-                         "eval.max_tokens", "eval.pass_threshold", unless="--eval.size > 0 "
-                         "(0 turns eval off)")
+            unused("data.eval", "eval.every", "eval.samples", "eval.temperature",
+                   "eval.max_tokens", "eval.pass_threshold", unless="--eval.size > 0 "
+                   "(0 turns eval off)")
         if self.checkpoint.every == 0:
-            self._unused("checkpoint.keep", unless="--checkpoint.every > 0")
+            unused("checkpoint.keep", unless="--checkpoint.every > 0")
+        if self.data.train and self.agent.file and self.model.path:
+            unused("data.task", unless="--data.train, --agent or --model.path is left out (the "
+                   "task fills it in)")
         if self.model.path:
-            self._unused("model.kind", "model.size", "model.seed", unless="--model.path is "
-                         "empty (they choose the built-in model)")
-
-    def _unused(self, *names: str, unless: str) -> None:
-        """Refuse any of `names` ("section.field") that differs from its default."""
-        for name in names:
-            section_name, key = name.split(".")
-            section = getattr(self, section_name)
-            value = getattr(section, key)
-            if value != self.resolved_defaults().get(name, getattr(type(section)(), key)):
-                flag = f"--{section_name}.{key.replace('_', '-')}"
-                shown = flag if isinstance(value, bool) else f"{flag} {value}"
-                raise ValueError(f"{shown} has no effect unless {unless}: set that, or leave "
-                                 f"out {flag}")
+            unused("model.kind", "model.size", "model.seed", unless="--model.path is "
+                   "empty (they choose the built-in model)")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)

@@ -13,7 +13,7 @@ from instar.config import Config
 from instar.data import load_task_data
 from instar.hub import resolve_model
 from instar.rollout.parsers import check as check_parsers
-from instar.tasks.reverse_data import AGENT_FILE, reverse_data
+from instar.tasks.builtin import task_agent, task_data
 from instar.tasks.tiny_model import builtin_model
 from instar.train import lora
 from instar.train.sft import check_images
@@ -27,6 +27,7 @@ class Inputs:
     agent_cls: type
     model_path: Path
     tokenizer: object
+    warmup_rows: list[dict] | None  # the warm-up's demonstrations (None: the tasks' labels)
 
 
 def model_path(cfg: Config) -> Path:
@@ -48,16 +49,18 @@ def other_model_paths(cfg: Config) -> dict[str, Path]:
 
 def run_inputs(cfg: Config) -> Inputs:
     """Training tasks, held-out tasks (at most `--eval.size`), the agent class, the model
-    folder and its tokenizer; the other models named are checked too. Empty `--data.train`:
-    the built-in reverse task and its agent. Data formats: instar/data.py."""
-    d = cfg.data
-    builtin_train, builtin_eval = reverse_data() if not d.train else ("", "")
-    eval_file = d.eval or builtin_eval
+    folder, its tokenizer and the warm-up's demonstrations; the other models named are checked
+    too. Empty `--data.train`: the built-in task's data and demonstrations (--data.task); empty
+    `--agent`: its agent. Data formats: instar/data.py."""
+    d, t = cfg.data, cfg.train
+    builtin_train, builtin_eval, demos = task_data(d.task) if not d.train else ("", "", "")
+    eval_file, demos = d.eval or builtin_eval, t.warmup_sft_data or demos
     path = model_path(cfg)
     other_model_paths(cfg)
     check_parsers(cfg.model.tool_parser, cfg.model.reasoning_parser)
-    if cfg.train.warmup_sft_steps and cfg.train.warmup_sft_data:  # (refused now, not mid-run)
-        check_images(load_sft_jsonl(cfg.train.warmup_sft_data), path, cfg.train.warmup_sft_data)
+    warmup_rows = load_sft_jsonl(demos) if t.warmup_sft_steps and demos else None
+    if warmup_rows:  # (refused now, not mid-run)
+        check_images(warmup_rows, path, demos)
     if cfg.lora.rank or cfg.lora.path:  # (an adapter the engines cannot serve is refused now)
         lora.engine_modules(str(path), lora.read(cfg.lora.path)["config"]["target_modules"]
                             if cfg.lora.path else cfg.lora.targets)
@@ -65,8 +68,8 @@ def run_inputs(cfg: Config) -> Inputs:
         train_tasks=load_task_data(d.train or builtin_train, d.prompt_key, d.label_key),
         eval_tasks=load_task_data(eval_file, d.prompt_key, d.label_key, "--data.eval")[
             :cfg.eval.size] if eval_file else [],
-        agent_cls=load_agent(cfg.agent.file or AGENT_FILE), model_path=path,
-        tokenizer=AutoTokenizer.from_pretrained(path))
+        agent_cls=load_agent(cfg.agent.file or task_agent(d.task)), model_path=path,
+        tokenizer=AutoTokenizer.from_pretrained(path), warmup_rows=warmup_rows)
 
 
 def task_order(tasks: list[Task], seed: int):

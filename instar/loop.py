@@ -74,7 +74,7 @@ from instar.train.advantages import informative, sample_advantages
 from instar.train.batch import Sequence
 from instar.train.losses import adaptive_kl, kl_BT
 from instar.train.schedule import lr_at
-from instar.train.sft import warmup
+from instar.train.sft import label_rows, warmup
 from instar.train.trainer import Trainer
 from instar.weight_sync import ProbeCheck, on_engines, sync_weights
 
@@ -200,7 +200,8 @@ def setup(cfg: Config, inputs: list[Inputs], stack: ExitStack) -> list[Run]:
     stack.enter_context(ray_for(cfg.cluster.ray_address))
     model = inputs[0].model_path
     if cfg.train.warmup_sft_steps:
-        model = warmup(cfg, model, [t for i in inputs for t in i.train_tasks], inputs[0].tokenizer)
+        rows = inputs[0].warmup_rows or label_rows([t for i in inputs for t in i.train_tasks])
+        model = warmup(cfg, model, rows, inputs[0].tokenizer)
     r, t, device = cfg.rollout, cfg.train, cfg.cluster.device
     engine_at, rank_at, pg = place(r.placement, device, r.num_engines, t.num_ranks, r.threads,
                                    t.threads_per_rank, cfg.cluster.engine_resource,

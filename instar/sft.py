@@ -49,7 +49,7 @@ def sft_inputs(cfg: Config) -> tuple[Path, object, list[dict], list[Sequence]]:
 
 def run_sft(cfg: Config, inputs: tuple | None = None) -> dict:
     """`inputs`: `sft_inputs(cfg)`, already checked (default: read them now)."""
-    cfg.validate()
+    cfg.validate(rl=False, trains=True)
     base, tokenizer, rows, held_out = inputs or sft_inputs(cfg)
     run_dir = Path(cfg.logging.root).absolute() / (cfg.logging.name or time.strftime("%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from instar.processes import marked
 
 pytestmark = pytest.mark.stack
 
-FLAGS = ["--train.warmup-sft-steps", "0", "--data.prompts-per-step", "3",
+FLAGS = ["--data.task", "reverse", "--train.warmup-sft-steps", "0", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "4",
          "--eval.size", "0", "--checkpoint.no-save-final", "--logging.no-progress",
          "--train.steps", "5", "--checkpoint.every", "2", "--checkpoint.keep", "1",

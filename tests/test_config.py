@@ -37,10 +37,12 @@ def changed(**settings) -> Config:
     (dict(algo__mini_batches=10**6), "--algo.mini-batches"),
     (dict(algo__reward_scale=0.0), "--algo.reward-scale"),
     (dict(algo__kl_coef=0.1, algo__kl_horizon=0), "--algo.kl-horizon"),
-    (dict(algo__overlong_buffer=25), "--algo.overlong-buffer"),
+    (dict(algo__overlong_buffer=10**6), "--algo.overlong-buffer"),
     (dict(algo__max_resample=4), "--algo.max-resample 4 has no effect unless --algo.dynamic-filter"),
     (dict(algo__kl_target=0.01), "--algo.kl-target 0.01 has no effect unless --algo.kl-coef"),
     (dict(algo__overlong_penalty=0.5), "--algo.overlong-penalty 0.5 has no effect"),
+    (dict(data__task="reverse", data__train="t.jsonl", agent__file="a.py", model__path="m"),
+     "--data.task reverse has no effect unless --data.train, --agent or --model.path"),
     (dict(algo__estimator="on_policy_distill"), "--algo.teacher"),
     (dict(algo__estimator="grpo2"), "--algo.estimator 'grpo2' is unknown; known: reinforce, "),
     (dict(serve__sessions=0), "--serve.sessions"),
@@ -188,7 +190,7 @@ def test_a_missing_recipe_is_one_line(capsys):
 
 FLAGS = {  # every flag of each section, as --help shows it
     "model": "path kind size seed dtype tool-parser reasoning-parser",
-    "data": "train eval prompt-key label-key prompts-per-step seed",
+    "data": "train eval task prompt-key label-key prompts-per-step seed",
     "agent": "file config max-turns max-tokens timeout-s judge",
     "rollout": "group-size temperature max-tokens ignore-eos max-model-len kv-cache-gb num-engines "
                "threads tensor-parallel placement gpu-memory transport partial schedule max-staleness "
@@ -309,17 +311,26 @@ def test_print_config_prints_the_resolved_config(tmp_path):
 
 
 def test_own_model_gets_a_pretrained_models_defaults():
-    """The toy settings (a supervised warm-up, lr 1e-3, 24-token replies) are the built-in
-    model's; with --model.path only RL trains the model, at a pretrained model's settings.
-    The resolved values are what --print-config (and config.yaml) show."""
-    def printed(*flags):
-        out = run_cli("rl", *flags, "--print-config")
+    """The toy settings (a supervised warm-up, a high lr, short replies) are the built-in
+    model's, each built-in task's own; with --model.path only RL trains the model, at a
+    pretrained model's settings. The resolved values are what --print-config (and
+    config.yaml) show."""
+    def printed(*flags, command="rl"):
+        out = run_cli(command, *flags, "--print-config")
         assert out.returncode == 0, out.stderr
         return yaml.safe_load(out.stdout)
 
+    def settings(c):
+        return (c["train"]["warmup_sft_steps"], c["train"]["warmup_sft_batch"], c["train"]["lr"],
+                c["train"]["steps"], c["data"]["prompts_per_step"], c["rollout"]["max_tokens"])
+
     builtin, own = printed(), printed("--model.path", "some/model")
-    assert (builtin["train"]["warmup_sft_steps"], builtin["train"]["lr"],
-            builtin["rollout"]["max_tokens"]) == (60, 1e-3, 24)
+    assert builtin["data"]["task"] == "tool_use"
+    assert settings(builtin) == (425, 16, 3e-4, 60, 8, 80)
+    assert settings(printed("--data.task", "reverse")) == (60, 64, 1e-3, 150, 16, 24)
+    sft = printed(command="sft")  # (sft does not run the task: the generic tiny settings)
+    assert (sft["train"]["lr"], sft["train"]["steps"], sft["data"]["prompts_per_step"]) == (
+        1e-3, 150, 16)
     assert (own["train"]["warmup_sft_steps"], own["train"]["lr"], own["rollout"]["max_tokens"],
             own["rollout"]["max_model_len"]) == (0, 1e-6, 1024, 4096)
     assert own["cluster"]["device"] == "cpu"  # auto, on this machine

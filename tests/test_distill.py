@@ -20,7 +20,8 @@ def test_the_students_reverse_kl_to_the_teacher_falls(tiny_model, ray_session, t
     tasks = load_tasks(reverse_data()[0])[:2000]
     teacher = teach(tiny_model, tmp_path / "teacher", [r["messages"] for r in label_rows(tasks)],
                     None, steps=40, batch=64)  # the default job's warm-up, in this process
-    run = instar(tmp_path, "rl", "--model.seed", "1", "--algo.estimator", "on_policy_distill",
+    run = instar(tmp_path, "rl", "--data.task", "reverse", "--model.seed", "1",
+                 "--algo.estimator", "on_policy_distill",
                  "--algo.teacher", str(teacher), "--train.warmup-sft-steps", "0",
                  "--train.steps", "12", "--train.lr", "1e-2", "--data.prompts-per-step", "8",
                  "--rollout.group-size", "4", "--eval.size", "0")

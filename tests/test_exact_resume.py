@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.stack
 
-FLAGS = ["--train.warmup-sft-steps", "0", "--data.prompts-per-step", "3",
+FLAGS = ["--data.task", "reverse", "--train.warmup-sft-steps", "0", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "0",
          "--eval.size", "0", "--logging.no-progress", "--logging.no-tensorboard",
          "--logging.no-plots", "--checkpoint.every", "2", "--checkpoint.keep", "1",

@@ -107,7 +107,8 @@ def test_instar_rl_names_a_model_that_makes_no_tool_calls_before_step_1(ray_sess
     in one line that says why."""
     examples = Path(__file__).parents[1] / "examples"
     with pytest.raises(SystemExit) as stopped:
-        instar(tmp_path, "rl", "--agent", str(examples / "calculator_env.py"),
+        instar(tmp_path, "rl", "--data.task", "reverse",
+               "--agent", str(examples / "calculator_env.py"),
                "--data.train", str(examples / "data" / "calculator.jsonl"),
                "--train.warmup-sft-steps", "0", "--eval.size", "0", "--rollout.preflight", "4",
                "--health.tool-calls", "1", "0.5", "--train.steps", "1")
@@ -126,7 +127,8 @@ def test_a_warm_up_on_a_tool_demonstration_passes_the_same_gate(ray_session, tmp
     examples = Path(__file__).parents[1] / "examples"
     demos = tmp_path / "demos.jsonl"
     demos.write_text(json.dumps({"messages": TOOL_CONVERSATION, "tools": [CALCULATOR]}) + "\n")
-    run = instar(tmp_path, "rl", "--agent", str(examples / "calculator_env.py"),
+    run = instar(tmp_path, "rl", "--data.task", "reverse",
+                 "--agent", str(examples / "calculator_env.py"),
                  "--data.train", str(examples / "data" / "calculator.jsonl"),
                  "--train.warmup-sft-data", str(demos), "--train.warmup-sft-steps", "250",
                  "--eval.size", "0", "--rollout.preflight", "4",

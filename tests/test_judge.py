@@ -94,8 +94,9 @@ def test_grpo_on_a_frozen_judges_verdicts_raises_the_score_it_never_sees(ray_ses
     5 of 30 steps less the first 5's, for model and data seeds 0 (this test), 1 and 2:
     +0.089, +0.138, +0.090 (2026-12-07). A step's exact score strays about 0.03 from its
     trend, so a run that learnt nothing would pass the bar of +0.05 with p < 0.01."""
-    run = instar(tmp_path, "rl", "--agent", "instar/tasks/reverse_judged.py", "--agent.judge",
-                 str(JUDGE), "--train.steps", "30", "--eval.size", "0")
+    run = instar(tmp_path, "rl", "--data.task", "reverse", "--agent",
+                 "instar/tasks/reverse_judged.py", "--agent.judge", str(JUDGE), "--train.steps",
+                 "30", "--eval.size", "0")
     metrics = list(step_lines(run).values())
     judged = [m["rollout/reward"] for m in metrics]
     exact = [m["rollout/info/exact"] for m in metrics]

@@ -169,7 +169,7 @@ def test_resume_is_exact_and_checkpoints_hold_only_the_adapter(lora_trainer, lor
 
 
 def test_instar_rl_with_lora_syncs_the_adapter_and_exports_it(ray_session, tmp_path, tiny_model):
-    run = instar(tmp_path, "rl", "--lora.rank", "8", "--train.steps", "2",
+    run = instar(tmp_path, "rl", "--data.task", "reverse", "--lora.rank", "8", "--train.steps", "2",
                  "--train.warmup-sft-steps", "0", "--data.prompts-per-step", "4",
                  "--rollout.group-size", "4", "--eval.size", "0", "--train.lr", "1e-2")
     steps = step_lines(run)
@@ -179,7 +179,8 @@ def test_instar_rl_with_lora_syncs_the_adapter_and_exports_it(ray_session, tmp_p
     assert summary["preflight_abs_logprob_diff"] < 1e-3
     assert lora.read(run / "final")["config"]["r"] == 8
     # instar eval serves the exported adapter: its behaviour log-probs are PEFT's
-    served = instar(tmp_path, "eval", "--lora.path", str(run / "final"), "--eval.size", "4",
+    served = instar(tmp_path, "eval", "--data.task", "reverse", "--lora.path", str(run / "final"),
+                    "--eval.size", "4",
                     name="eval")
     sample = json.loads((served / "eval_samples.jsonl").read_text().splitlines()[0])
     def scored(model) -> list[float]:  # the sample's generated tokens
@@ -278,6 +279,8 @@ def test_two_adapters_on_one_model_train_sync_and_resume_apart(two_adapters, lor
 
 
 MULTI = """
+data:
+  task: reverse
 lora:
   rank: 8
   adapters:

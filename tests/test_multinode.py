@@ -114,7 +114,8 @@ def test_engine_and_ranks_on_different_nodes(cluster, tmp_path):
     node_a, = [n for n, res in before["nodes"].items() if "node_a" in res]
     node_b, = [n for n, res in before["nodes"].items() if "node_b" in res]
 
-    cmd = [sys.executable, "-m", "instar.cli", "rl", "--cluster.ray-address", address,
+    cmd = [sys.executable, "-m", "instar.cli", "rl", "--data.task", "reverse",
+           "--cluster.ray-address", address,
            "--rollout.placement", "disaggregated", "--cluster.engine-resource", "node_a",
            "--cluster.trainer-resource", "node_b", "--rollout.threads", "1",
            "--rollout.runners", "1", "--cluster.runner-resource", "node_b",

@@ -11,7 +11,8 @@ from instar.config import Config
 from instar.evaluate import pass_at_k
 from instar.preflight import preflight
 from instar.rollout.runner import Rollouts
-from instar.tasks.reverse_data import AGENT_FILE, reverse_data
+from instar.tasks.builtin import task_agent
+from instar.tasks.reverse_data import reverse_data
 from instar.tasks.tiny_model import builtin_model
 from instar.train.trainer import Trainer
 
@@ -26,8 +27,8 @@ def test_pass_at_k_matches_hand_counts():
 @pytest.fixture(scope="module")
 def samples(engine, tokenizer):
     tasks = load_tasks(reverse_data()[0])[:6]
-    rollouts = Rollouts(load_agent(AGENT_FILE), {}, [engine], tokenizer, model_name="tiny",
-                        max_model_len=512, limits={})
+    rollouts = Rollouts(load_agent(task_agent("reverse")), {}, [engine], tokenizer,
+                        model_name="tiny", max_model_len=512, limits={})
     try:
         batch = rollouts.run(tasks, 1, {"temperature": 1.0, "max_tokens": 12}, "pf")
     finally:

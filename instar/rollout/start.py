@@ -13,7 +13,7 @@ from instar.rollout.parsers import check
 from instar.rollout.runner import Rollouts
 from instar.rollout.runners import Runners
 from instar.rollout.versions import POLICY
-from instar.tasks.reverse_data import AGENT_FILE
+from instar.tasks.builtin import task_agent
 from instar.train import lora
 
 
@@ -70,6 +70,6 @@ def make_rollouts(cfg: Config, agent_cls: type, engines: list, tokenizer,
                    seed=cfg.data.seed, policy=policy, limits={"max_turns": a.max_turns,
                                                "max_tokens": a.max_tokens, "timeout_s": a.timeout_s})
     if r.runners:  # (each runner loads the agent file itself)
-        return Runners(r.runners, cfg.cluster.runner_resource, a.file or AGENT_FILE, a.config,
-                       engines, tokenizer, **options)
+        return Runners(r.runners, cfg.cluster.runner_resource,
+                       a.file or task_agent(cfg.data.task), a.config, engines, tokenizer, **options)
     return Rollouts(agent_cls, a.config, engines, tokenizer, **options)

@@ -1,12 +1,10 @@
 """Data for the built-in reverse task, generated deterministically and cached as JSONL."""
 
 import random
-from pathlib import Path
 
 from instar.tasks.tiny_model import cache_root, write_rows
 
 LETTERS = "abcdefgh"
-AGENT_FILE = str(Path(__file__).with_name("reverse.py"))
 
 
 def _rows(seed: int, n: int, exclude: set[str]) -> list[dict]:

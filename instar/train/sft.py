@@ -23,7 +23,7 @@ from instar.config import Config
 from instar.progress import Bar
 from instar.tasks.tiny_model import cache_root
 from instar.train.batch import Sequence
-from instar.train.sft_data import assistant_mask, load_sft_jsonl
+from instar.train.sft_data import assistant_mask
 from instar.train.trainer import Trainer
 
 
@@ -82,22 +82,18 @@ def label_rows(tasks: list[Task]) -> list[dict]:
             for t in tasks]
 
 
-def warmup(cfg: Config, base: Path, tasks: list[Task], tokenizer) -> Path:
-    """Supervised warm-up on the tasks' labels (or on --train.warmup-sft-data); the result is
-    cached as an HF folder keyed by the base model, the data and the warm-up's settings."""
+def warmup(cfg: Config, base: Path, rows: list[dict], tokenizer) -> Path:
+    """Supervised warm-up on `rows` (chat rows: demonstrations, or `label_rows` of the
+    training tasks); the result is cached as an HF folder keyed by the base model, the rows
+    and the warm-up's settings."""
     t = cfg.train
-    demos = Path(t.warmup_sft_data) if t.warmup_sft_data else None
-    key = hashlib.sha256(json.dumps(["sft-v2", str(base), cfg.data.train, len(tasks),
-                                     tasks[0].id, t.warmup_sft_steps, t.warmup_sft_lr,
-                                     t.warmup_sft_batch, t.num_ranks, cfg.model.dtype,
-                                     t.master_dtype, cfg.data.seed, demos and [
-                                         str(demos.absolute()), demos.stat().st_size,
-                                         demos.stat().st_mtime_ns]]).encode())
+    key = hashlib.sha256(json.dumps(["sft-v3", str(base), rows, t.warmup_sft_steps,
+                                     t.warmup_sft_lr, t.warmup_sft_batch, t.num_ranks,
+                                     cfg.model.dtype, t.master_dtype, cfg.data.seed]).encode())
     out = cache_root() / "warm" / key.hexdigest()[:16]
     if (out / "model.safetensors").exists():
         print(f"supervised warm-up: cached in {out}", flush=True)
         return out
-    rows = load_sft_jsonl(demos) if demos else label_rows(tasks)
     trainer = Trainer(cfg, str(base))
     try:
         with Bar("supervised warm-up step", t.warmup_sft_steps, live=cfg.logging.progress,
