@@ -105,7 +105,7 @@ AgentRunner = Breaks
 
 def config(tmp_path, agent: str = "") -> Config:
     cfg = Config()
-    cfg.agent.file = agent
+    cfg.agent.file, cfg.data.task = agent, "reverse"
     cfg.train.steps, cfg.train.warmup_sft_steps, cfg.train.num_ranks = 3, 0, 1
     cfg.data.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_tokens = 2, 2, 8
     cfg.rollout.max_staleness, cfg.rollout.preflight, cfg.eval.size = 0, 0, 0
