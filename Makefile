@@ -1,4 +1,4 @@
-# make run   - set up .venv if needed, then run the default job (tiny model, reverse task)
+# make run   - set up .venv if needed, then run the default job (tiny model, tool-use task)
 # make test  - set up .venv if needed, then run the tests (what CI runs; the 20 slowest listed)
 # make test-fast - the tests that start no engine, trainer or Ray (seconds; for the edit-test loop)
 # make setup - install the CPU stack into .venv (idempotent)

@@ -1,5 +1,5 @@
-"""LoRA RL learning runs on the default job (tiny built-in model, reverse task, 150 steps), one
-per learning rate, and the full-weights default beside them: each an `instar rl` run of its
+"""LoRA RL learning runs on the reverse job (tiny built-in model, `--data.task reverse`, 150
+steps), one per learning rate, and the full-weights default beside them: each an `instar rl` run of its
 own, one after another. Writes benchmarks/results/lora_learning.json (each run's summary and
 command) and docs/images/lora_learning.png (train reward, 10-step running mean).
 
@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
-RUNS = {  # name: flags on top of the default job
+RUNS = {  # name: flags on top of the reverse job
     "full": [],
     "lr1e-3": ["--lora.rank", "8", "--lora.alpha", "16", "--train.lr", "1e-3"],
     "lr3e-3": ["--lora.rank", "8", "--lora.alpha", "16", "--train.lr", "3e-3"],
@@ -33,7 +33,8 @@ RUNS = {  # name: flags on top of the default job
 def main(runs: Path) -> None:
     result = {}
     for name, flags in RUNS.items():
-        command = ["instar", "rl", *flags, "--logging.root", str(runs), "--logging.name", name]
+        command = ["instar", "rl", "--data.task", "reverse", *flags, "--logging.root", str(runs),
+                   "--logging.name", name]
         if not (runs / name / "summary.json").exists():
             subprocess.run([str(ROOT / ".venv/bin/instar"), *command[1:]], check=True,
                            stdout=subprocess.DEVNULL)

@@ -48,8 +48,8 @@ def chosen(run_dir: Path) -> str:
 
 
 def default_job(schedule: str, root: Path) -> tuple[list[float], str]:
-    instar(["rl", "--rollout.schedule", schedule, "--logging.root", str(root),
-            "--logging.name", schedule, "--logging.no-progress"])
+    instar(["rl", "--data.task", "reverse", "--rollout.schedule", schedule, "--logging.root",
+            str(root), "--logging.name", schedule, "--logging.no-progress"])
     times = [json.loads(x)["time"] for x in (root / schedule / "metrics.jsonl").read_text()
              .splitlines() if '"rollout/reward"' in x]
     return [b - a for a, b in zip(times, times[1:])], chosen(root / schedule)
