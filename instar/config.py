@@ -42,8 +42,8 @@ TASK_SETTINGS = {
                 "train.steps": 150, "data.prompts_per_step": 16, "rollout.max_tokens": 24}}
 """The defaults of each built-in task (--data.task) on the built-in model, which starts from
 random weights: its supervised warm-up, then GRPO. Measured on 2 cores (docs/scenarios.md,
-docs/benchmarks.md): tool_use learns in about 8 minutes, reverse in about 3. `instar sft`
-takes the reverse row (it does not run the task)."""
+docs/benchmarks.md): `make run` shows the tool_use agent learning in 6½ minutes, reverse
+learns in 2½. `instar sft` takes the reverse row (it does not run the task)."""
 PRETRAINED_SETTINGS = {"train.warmup_sft_steps": 0, "train.warmup_sft_batch": 64, "train.lr": 1e-6,
                        "train.steps": 150, "data.prompts_per_step": 16, "rollout.max_tokens": 1024}
 """The defaults with --model.path: a pretrained model's RL settings, and no warm-up."""
@@ -98,7 +98,7 @@ class DataConfig:
     task: Literal["tool_use", "reverse"] = "tool_use"
     """The built-in task: its data, agent and warm-up demonstrations are what a run takes where
     --data.train, --data.eval, --agent or --train.warmup-sft-data are not given, and with the
-    built-in model its measured settings are the defaults (TASK_SETTINGS). tool_use: questions
+    built-in model its measured settings are the defaults (instar/config.py). tool_use: questions
     answered with lookup and calculator tools (instar/tasks/tool_use.py); reverse: reverse a
     string of letters in one reply (instar/tasks/reverse.py)."""
     prompt_key: str = "prompt"
@@ -743,7 +743,7 @@ class Config:
                     flag = f"--{section_name}.{key.replace('_', '-')}"
                     shown = flag if isinstance(value, bool) else f"{flag} {value}"
                     raise ValueError(f"{shown} has no effect unless {unless}: set that, or "
-                               f"leave out {flag}")
+                                     f"leave out {flag}")
 
         r, t, a, device = self.rollout, self.train, self.algo, self.cluster.device
         if a.policy_loss != "ppo":
