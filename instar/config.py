@@ -523,7 +523,8 @@ class Config:
         baseline; `instar rollout` and `instar eval` may take one); `trains`: the command trains
         (rl, sft; default: `rl`)."""
         trains = rl if trains is None else trains
-        defaults = self.resolved_defaults(sft=trains and not rl)
+        sft = trains and not rl
+        defaults = self.resolved_defaults(sft)
         for name, value in defaults.items():
             section, key = name.split(".")
             if getattr(getattr(self, section), key) in (None, "auto"):
@@ -539,7 +540,7 @@ class Config:
         if self.lora.path and trains:
             raise ValueError("--lora.path serves a trained adapter (instar rollout, eval, "
                              "serve); training starts a new one: --lora.rank R")
-        self._check_ignored(defaults)
+        self._check_ignored(defaults, sft)
         return self
 
     def lanes(self) -> list[tuple[str, "Config"]]:
@@ -729,9 +730,9 @@ class Config:
             raise ValueError("--algo.estimator on_policy_distill needs --algo.teacher (an HF "
                              "folder sharing the policy's tokenizer)")
 
-    def _check_ignored(self, defaults: dict[str, Any]) -> None:
+    def _check_ignored(self, defaults: dict[str, Any], sft: bool) -> None:
         """Settings changed from their `defaults` (resolved ones, else the field's) where
-        nothing reads them."""
+        nothing reads them (`sft`: in `instar sft`)."""
 
         def unused(*names: str, unless: str) -> None:
             """Refuse any of `names` ("section.field") that differs from its default."""
@@ -798,7 +799,10 @@ class Config:
                    "(0 turns eval off)")
         if self.checkpoint.every == 0:
             unused("checkpoint.keep", unless="--checkpoint.every > 0")
-        if self.data.train and self.agent.file and self.model.path:
+        if sft:
+            unused("data.task", unless="instar rl, eval or rollout (instar sft trains on "
+                   "--data.train, else on its own built-in conversations)")
+        elif self.data.train and self.agent.file and self.model.path:
             unused("data.task", unless="--data.train, --agent or --model.path is left out (the "
                    "task fills it in)")
         if self.model.path:

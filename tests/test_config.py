@@ -331,6 +331,8 @@ def test_own_model_gets_a_pretrained_models_defaults():
     sft = printed(command="sft")  # (sft does not run the task: the generic tiny settings)
     assert (sft["train"]["lr"], sft["train"]["steps"], sft["data"]["prompts_per_step"]) == (
         1e-3, 150, 16)
+    out = run_cli("sft", "--data.task", "reverse", "--print-config")
+    assert out.returncode == 2 and "--data.task reverse has no effect unless instar rl" in out.stderr
     assert (own["train"]["warmup_sft_steps"], own["train"]["lr"], own["rollout"]["max_tokens"],
             own["rollout"]["max_model_len"]) == (0, 1e-6, 1024, 4096)
     assert own["cluster"]["device"] == "cpu"  # auto, on this machine
