@@ -88,6 +88,16 @@ def test_single_turn_and_last_only(tok):
     assert [s for learned, s in spans(tok, ids_last, mask_last) if learned] == ["It is 20.<|im_end|>"]
 
 
+def test_an_assistant_message_of_weight_0_stays_in_context_unlearned(tok):
+    ids, mask = assistant_mask(tok, CHAT, [CALCULATOR])
+    weighted = [{**m, "weight": 0} if k in (2, 4) else m for k, m in enumerate(CHAT)]
+    ids_w, mask_w = assistant_mask(tok, weighted, [CALCULATOR])
+    assert ids_w == ids  # (the template ignores the key: the same tokens, in context)
+    assert [s for learned, s in spans(tok, ids_w, mask_w) if learned] == [
+        'Let me check.<tool_call>{"name": "calculator", "arguments": {"expression": "5*4"}}'
+        "</tool_call><|im_end|>", "It is 20.<|im_end|>"]
+
+
 def test_turn_without_eos_token_learns_up_to_trailing_whitespace(tok):
     tok.eos_token = "<|endoftext|>"  # the end-of-turn mark is then not the eos token
     ids, mask = assistant_mask(tok, CHAT[1:5], [CALCULATOR])
@@ -114,6 +124,15 @@ def test_load_errors_name_the_line(tmp_path):
         json.dumps({"prompt": "x"}): 'non-empty "messages"',
         json.dumps({"messages": [{"content": "hi"}]}): 'message 0 is not an object with a "role"',
         json.dumps({"messages": [{"role": "user", "content": "hi"}]}): "no assistant message",
+        json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "yo", "weight": 0}]}):
+            "no assistant message (of weight 1)",
+        json.dumps({"messages": [{"role": "user", "content": "hi", "weight": 1},
+                                 {"role": "assistant", "content": "yo"}]}):
+            'message 0: "weight" is 0 or 1, on an assistant message',
+        json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "yo", "weight": 0.5}]}):
+            'message 1: "weight" is 0 or 1',
         json.dumps({"messages": CHAT[1:5], "tools": "calculator"}): '"tools" must be a list',
     }
     path = tmp_path / "data.jsonl"

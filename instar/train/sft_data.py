@@ -47,13 +47,16 @@ def assistant_mask(tokenizer, messages: list[Message], tools: list[dict] | None 
     """Token ids of the rendered conversation and a mask, True on the tokens to learn.
 
     The mask covers each assistant message's content and tool calls and its end-of-turn
-    token; role headers and system, user and tool messages are never learned. With
+    token; role headers and system, user and tool messages are never learned, nor is an
+    assistant message with `"weight": 0` (OpenAI's fine-tuning format: e.g. a wrong attempt
+    the conversation goes on to correct, kept as context). With
     `last_only`, only the last assistant message is learned (for templates that render a
     past turn differently, e.g. without its reasoning: give one row per assistant turn).
     Raises ValueError, naming the message, where the template rewrites earlier turns.
     """
     full = render(tokenizer, messages, tools, False)
-    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    turns = [i for i, m in enumerate(messages)
+             if m.get("role") == "assistant" and m.get("weight", 1)]
     cuts, pos = [0], 0  # char offsets where learned and unlearned pieces alternate
     for i in turns[-1:] if last_only else turns:
         head = render(tokenizer, messages[:i], tools, True)
@@ -98,8 +101,12 @@ def load_sft_jsonl(path: str | Path) -> list[dict[str, Any]]:
             for j, m in enumerate(messages):
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
                     raise ValueError(f'{where}: message {j} is not an object with a "role"')
-            if not any(m["role"] == "assistant" for m in messages):
-                raise ValueError(f"{where}: no assistant message, so nothing to learn")
+                if m.get("weight", 1) not in (0, 1) or "weight" in m and m["role"] != "assistant":
+                    raise ValueError(f'{where}: message {j}: "weight" is 0 or 1, on an assistant '
+                                     "message (0: kept as context, not learned)")
+            if not any(m["role"] == "assistant" and m.get("weight", 1) for m in messages):
+                raise ValueError(f"{where}: no assistant message (of weight 1), so nothing to "
+                                 "learn")
             tools = row.get("tools")
             if tools is not None and not (isinstance(tools, list)
                                           and all(isinstance(t, dict) for t in tools)):
