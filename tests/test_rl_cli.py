@@ -118,7 +118,8 @@ def test_instar_rl_trains_a_chat_agent_with_kl_in_the_reward_a_critic_and_cispo(
                  "--rollout.max-tokens", "8", "--rollout.max-staleness", "0",
                  "--algo.kl-coef", "0.05", "--algo.kl-in-reward", "--algo.estimator", "gae",
                  "--algo.is-mode", "truncate", "--algo.policy-loss", "cispo",
-                 "--train.lr-warmup-steps", "1", "--train.lr-schedule", "cosine")
+                 "--train.lr", "1e-3", "--train.lr-warmup-steps", "1",
+                 "--train.lr-schedule", "cosine")
     metrics = step_lines(run)
     assert sorted(metrics) == [1, 2]
     for m in metrics.values():
