@@ -87,7 +87,8 @@ def _attempt(code: str, tests: list[dict]) -> tuple[int, list[str]]:
 
 def demo(row: dict, rng: random.Random, fix: bool) -> dict:
     """A train row as an SFT conversation: its prompt and reference solution; with `fix`, a
-    wrong first attempt and the task's report on it come before the solution."""
+    wrong first attempt and the task's report on it come before the solution. The wrong
+    attempt has weight 0: it is context for the fix, not something to learn to write."""
     family, k = row["id"].split("-")[0], int(row["id"].split("-")[1])
     messages = [{"role": "user", "content": row["prompt"]}]
     while fix:
@@ -100,8 +101,9 @@ def demo(row: dict, rng: random.Random, fix: bool) -> dict:
         code = f"def f({arg}):\n    return {FAMILIES[other][2].format(k=wrong_k)}\n"
         passed, wrong = _attempt(code, row["tests"])
         if passed < len(row["tests"]):  # a wrong attempt must fail a test to be fed back
-            messages += [{"role": "assistant", "content": code}, {"role": "user", "content":
-                          feedback(passed, len(row["tests"]), wrong, ExecResult(0, "", "", None, 0.0))}]
+            report = feedback(passed, len(row["tests"]), wrong, ExecResult(0, "", "", None, 0.0))
+            messages += [{"role": "assistant", "content": code, "weight": 0},
+                         {"role": "user", "content": report}]
             break
     return {"messages": messages + [{"role": "assistant", "content": row["label"]}]}
 
@@ -110,7 +112,8 @@ def code_exec_demos(n_demos: int = 2000, fix_share: float = 0.25) -> str:
     """Path of the demos JSONL (`demo` of the first `n_demos` train rows, a `fix_share` of
     them with a wrong first attempt), written once into the cache."""
     train, _ = code_exec_data()
-    path = cache_root() / "data" / "code-exec-v3-2000-32" / f"demos-{n_demos}-{fix_share}.jsonl"
+    folder = cache_root() / "data" / "code-exec-v3-2000-32"
+    path = folder / f"demos-v2-{n_demos}-{fix_share}.jsonl"  # (v2: wrong attempts of weight 0)
     if not path.exists():
         rng = random.Random(1)
         with open(train) as f:
