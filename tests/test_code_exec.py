@@ -195,17 +195,17 @@ def test_writes_unseen_functions_after_short_sft(tiny_model, ray_session, tmp_pa
     """A learning signal of the measured run's first stage (benchmarks/scenarios.py
     code_exec), on the 32 held-out tasks, whose (function, constant) pairs no lesson shows,
     after 200 SFT steps on the demonstrations (batch 16): the greedy first attempt is the
-    asked function (its reference body with some constant) in at least 28 of 32, and passes
-    all 4 tests in at least 3. The untrained model passes no test. Picking among the functions
-    of the asked argument at random (1/5 for x, 1/3 for s) gets 28 or more right with
-    p < 4e-10. The 3 passes show the constant being copied has begun (the scenario's 400 steps
-    pass 0.76 of the tests); they are not chance-proof alone: a right function with one of
-    the 19 constants drawn at random passes 3 or more with p = 0.24. Measured (tiny model
-    seeds 1, 2 and 0): right function 32, 32, -; all tests passed 4, 5, 5."""
-    right_function = right = 0
-    for row, code, s in held_out_after_sft(tiny_model, tmp_path):
+    asked function (its reference body with some constant) in at least 28 of 32. The
+    untrained model passes no test. Picking among the functions of the asked argument at
+    random (1/5 for x, 1/3 for s) gets 28 or more right with p < 4e-10. Measured (tiny model
+    seeds 0, 1, 2): 32 of 32 each. Copying the constant forms later and when depends on the
+    seed: first attempts passing all 4 tests were 3, 2, 1 at 200 steps and 13, 12, 3 at 300
+    (the scenario's 400 steps reach a held-out pass rate of 0.81), so the test asks for the
+    function, not the constant (a right function with one of the 19 constants drawn at random
+    passes all tests 1.7 times in 32)."""
+    right_function = 0
+    for row, code, _ in held_out_after_sft(tiny_model, tmp_path):
         arg, _, body = FAMILIES[row["id"].split("-")[0]]
         pattern = re.escape(f"def f({arg}):\n    return {body}\n").replace(r"\{k\}", r"\d+")
         right_function += re.fullmatch(pattern, code) is not None
-        right += s.info["attempts"] == 1 and s.info["passed"] == 4
-    assert right_function >= 28 and right >= 3, (right_function, right)
+    assert right_function >= 28, right_function
